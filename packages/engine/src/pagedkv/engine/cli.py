@@ -1,24 +1,186 @@
-"""The `pagedkv` command line: one command with subcommands."""
+"""The `pagedkv` command line: one command with subcommands.
+
+`generate`, `chat`, `bench throughput`, `bench sharing` and `simulate` live here. Other
+distributions add subcommands (the server adds `serve` and `bench serve`) through the entry
+point group `pagedkv.subcommands`, so the engine never imports them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from importlib.metadata import entry_points
+
+logger = logging.getLogger("pagedkv")
+
+ENTRY_POINT_GROUP = "pagedkv.subcommands"  # register(subparsers): adds a top-level subcommand
+BENCH_ENTRY_POINT_GROUP = "pagedkv.bench_subcommands"  # register(subparsers): adds `pagedkv bench X`
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        n=args.n,
+        seed=args.sampling_seed,
+        stop=args.stop,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.llm import LLM
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("pagedkv generate: give prompts as arguments or with --prompts-file", file=sys.stderr)
+        return 2
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    outs = llm.generate(prompts, _sampling_params(args), use_tqdm=not args.quiet)
+    for out in outs:
+        for comp in out.outputs:
+            print(f"--- prompt: {out.prompt!r}" + (f" [{comp.index}]" if len(out.outputs) > 1 else ""))
+            print(comp.text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    params = _sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("pagedkv chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from pagedkv.engine.benchmarks.throughput import run_throughput_cli
+
+    return run_throughput_cli(args)
+
+
+def _cmd_bench_sharing(args: argparse.Namespace) -> int:
+    from pagedkv.engine.benchmarks.sharing import run_sharing_cli
+
+    return run_sharing_cli(args)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from pagedkv.scheduler import sim
+
+    return int(sim.main(args.sim_args) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedkv", description="pagedkv LLM serving system")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    """The whole command line, with the subcommands other distributions contribute."""
+    from pagedkv.engine.arg_utils import EngineArgs
+
+    parser = argparse.ArgumentParser(
+        prog="pagedkv", description="pagedkv: LLM serving with PagedAttention"
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="*", help="prompts")
+    gen.add_argument("--prompts-file", help="a text file with one prompt per line")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    EngineArgs.add_cli_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    EngineArgs.add_cli_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=_cmd_chat, max_tokens=256)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    from pagedkv.engine.benchmarks.sharing import add_sharing_args
+    from pagedkv.engine.benchmarks.throughput import add_throughput_args
+
+    thr = bench_sub.add_parser("throughput", help="offline throughput, optionally against transformers")
+    add_throughput_args(thr)
+    EngineArgs.add_cli_args(thr)
+    thr.set_defaults(func=_cmd_bench_throughput)
+
+    sharing = bench_sub.add_parser(
+        "sharing", help="KV blocks used with sharing vs without (parallel sampling, beam search)"
+    )
+    add_sharing_args(sharing)
+    EngineArgs.add_cli_args(sharing)
+    sharing.set_defaults(func=_cmd_bench_sharing)
+
+    sim = sub.add_parser("simulate", help="trace-driven scheduler simulation (pagedkv.scheduler.sim)",
+                         add_help=False)
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="options of python -m pagedkv.scheduler.sim")
+    sim.set_defaults(func=_cmd_simulate)
+
+    _load_plugins(ENTRY_POINT_GROUP, sub)
+    _load_plugins(BENCH_ENTRY_POINT_GROUP, bench_sub)
     return parser
 
 
+def _load_plugins(group: str, subparsers) -> None:
+    for ep in sorted(entry_points(group=group), key=lambda e: e.name):
+        try:
+            ep.load()(subparsers)
+        except Exception as exc:  # a broken plugin must not take the whole CLI down
+            logger.warning("could not load pagedkv subcommand %r from %s: %s", ep.name, group, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        print("pagedkv serve: the HTTP server is not built yet (see issue 6).", file=sys.stderr)
-        return 1
-    return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

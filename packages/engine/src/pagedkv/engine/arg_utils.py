@@ -1,0 +1,133 @@
+"""Engine options: one dataclass, and the command-line flags that fill it.
+
+Flag names follow vLLM's so that a vLLM user's command lines carry over. Every option is
+validated here, before any memory is touched, so that a typo costs a clear message instead of a
+half-started engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_PREEMPTION_MODES = (None, "recompute", "swap")
+_DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclass
+class EngineArgs:
+    """Every option of the engine (model, memory, scheduling).
+
+    `model=None` means the embedded default model (SmolLM2-135M-Instruct).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_gb: float = 1.0
+    swap_space: float = 4.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    preemption_mode: str | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    num_gpu_blocks_override: int | None = None
+    num_cpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field: str, msg: str) -> ValueError:
+            return ValueError(f"{field}: {msg}")
+
+        if self.load_format not in _LOAD_FORMATS:
+            raise bad("load_format", f"{self.load_format!r} is not one of {_LOAD_FORMATS}")
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"{self.dtype!r} is not one of {_DTYPES}")
+        if self.block_size not in (8, 16, 32):
+            raise bad("block_size", f"must be 8, 16 or 32 (got {self.block_size})")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", f"must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.kv_cache_gb <= 0:
+            raise bad("kv_cache_gb", f"must be positive (got {self.kv_cache_gb})")
+        if self.swap_space < 0:
+            raise bad("swap_space", f"must be >= 0 GB (got {self.swap_space})")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", f"must be >= 1 (got {self.max_num_seqs})")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", f"must be >= 1 (got {self.max_num_batched_tokens})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", f"must be >= 2 (got {self.max_model_len})")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise bad("preemption_mode", f"must be 'recompute', 'swap' or unset (got {self.preemption_mode!r})")
+        if self.tensor_parallel_size != 1:
+            raise bad(
+                "tensor_parallel_size",
+                "only 1 is supported in this release (tensor parallelism is tracked separately)",
+            )
+        if self.device not in _DEVICES:
+            raise bad("device", f"must be one of {_DEVICES} (got {self.device!r})")
+        for name in ("num_gpu_blocks_override", "num_cpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and value < (1 if name == "num_gpu_blocks_override" else 0):
+                raise bad(name, f"must be positive (got {value})")
+
+    # ---- command line -------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+        """Add every engine option to `parser` under vLLM's flag names."""
+        d = EngineArgs.__dataclass_fields__
+        g = parser.add_argument_group("engine options")
+        if model_positional:
+            g.add_argument("model", nargs="?", default=None,
+                           help="model: a Hugging Face folder, a .gguf file; default: the embedded SmolLM2-135M-Instruct")
+        else:
+            g.add_argument("--model", default=None,
+                           help="model: a Hugging Face folder, a .gguf file; default: the embedded SmolLM2-135M-Instruct")
+        g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+        g.add_argument("--load-format", choices=_LOAD_FORMATS, default=d["load_format"].default,
+                       help="weights format; 'dummy' = random weights of the real config (benchmarks)")
+        g.add_argument("--dtype", choices=_DTYPES, default="auto", help="weights and activations dtype")
+        g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
+        g.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16, help="tokens per KV block")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
+        g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size on the CPU, in GB")
+        g.add_argument("--swap-space", type=float, default=4.0, help="host memory for swapped KV blocks, in GB")
+        g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+        g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default: max(2048, max-model-len))")
+        g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+        g.add_argument("--enable-prefix-caching", action="store_true", help="share KV blocks of common prefixes")
+        g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                       help="do not split long prompts over several steps")
+        g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
+                       help="how to free memory under pressure (default: recompute single sequences, swap groups)")
+        g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model over")
+        g.add_argument("--device", choices=_DEVICES, default="auto", help="where to run (auto: CUDA if present)")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="force the number of KV blocks (tests and experiments)")
+        g.add_argument("--num-cpu-blocks-override", type=int, default=None,
+                       help="force the number of swap blocks (tests and experiments)")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
