@@ -1,0 +1,500 @@
+"""`LLMEngine`: the scheduler, the model runner and the sampler composed into one step.
+
+```
+step():
+  out = scheduler.schedule()            # who runs, how many tokens each, block ops
+  logits = runner.execute(out)          # swap/copy blocks, one forward pass
+  tokens = sampler(logits)              # (beam search: pick beams from candidates)
+  scheduler.update(out, tokens)         # append, fork, drop, stop checks, free blocks
+  -> RequestOutput per request touched  # text detokenized incrementally, stop strings cut
+```
+
+The engine keeps, per sequence, what the scheduler does not need: the incremental
+detokenizer, the seeded generator, log-probabilities. Everything a user can get wrong is
+checked in `prepare_request`, before anything is queued, so a bad request raises
+`ValueError` and the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.beam_search import Beam, BeamSearch
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize
+from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    SamplingRow,
+    child_seed,
+    make_generator,
+)
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.scheduler import (
+    FinishReason,
+    RequestParams,
+    Scheduler,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+_FINISH_TEXT = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORTED: "abort",
+    FinishReason.REJECTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters for logs and the server's /metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    gpu_kv_usage: float = 0.0
+    cpu_kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_gpu_blocks: int = 0
+    num_cpu_blocks: int = 0
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request that can be queued without further checks."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # as the user gave them
+    internal_params: SamplingParams  # what the sampler uses (may ask for logprobs internally)
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class _SeqState:
+    index: int
+    detok: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    logprobs: list | None
+    cum_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prep: PreparedRequest
+    group: object  # pagedkv.scheduler.SequenceGroup
+    metrics: RequestMetrics
+    seqs: dict[int, _SeqState] = field(default_factory=dict)
+    beam: BeamSearch | None = None
+    forked: bool = False
+
+
+class LLMEngine:
+    """One model, one KV cache, one scheduler; `step()` runs one iteration."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        if args.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            if args.device == "cuda" and not torch.cuda.is_available():
+                raise ValueError("device='cuda' but no CUDA GPU is available; use --device cpu")
+            self.device = torch.device(args.device)
+        self.model_config = ModelConfig.from_model(
+            args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+            load_format=args.load_format, device=self.device,
+        )
+        self.tokenizer = self._load_tokenizer()
+        torch.manual_seed(args.seed)
+        self.runner = ModelRunner(self.model_config, args, self.device)
+        mc = self.model_config
+        self.scheduler = Scheduler(SchedulerConfig(
+            block_size=args.block_size,
+            num_gpu_blocks=self.runner.num_gpu_blocks,
+            num_cpu_blocks=self.runner.num_cpu_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            max_model_len=mc.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            enable_prefix_caching=args.enable_prefix_caching,
+            preemption_mode=args.preemption_mode,
+        ))
+        self.sampler = Sampler()
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(args.seed)
+        self.eos_token_ids = sorted(mc.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self._primary_eos = tok_eos if tok_eos in mc.eos_token_ids else (
+            self.eos_token_ids[0] if self.eos_token_ids else None)
+        self._requests: dict[str, _RequestState] = {}
+        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens",
+                    mc.name, self.device, self.runner.num_gpu_blocks, args.block_size)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    def _load_tokenizer(self):
+        if self.args.tokenizer:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.args.tokenizer)
+        return self.model_config.get_tokenizer()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- requests ---------------------------------------------------------------------------
+    def prepare_request(self, prompt: str | Sequence[int], params: SamplingParams) -> PreparedRequest:
+        """Validate and tokenize; raises `ValueError` naming the problem, changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        mc = self.model_config
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token")
+            ids = list(self.tokenizer(prompt).input_ids)
+            text: str | None = prompt
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+            ids = list(prompt)
+            text = None
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size:
+                    raise ValueError(
+                        f"prompt token id {t!r} is not an int in [0, {mc.vocab_size}) "
+                        "(the model's vocabulary)"
+                    )
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one character or token")
+        if len(ids) + 1 > mc.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; with at least one generated token that is "
+                f"longer than max_model_len={mc.max_model_len}; shorten the prompt"
+            )
+        capacity = self.runner.num_gpu_blocks * self.args.block_size
+        if len(ids) + 1 > capacity:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the whole KV cache holds {capacity}; "
+                "shorten the prompt or give the KV cache more memory"
+            )
+        if params.beam_width > self.args.max_num_seqs:
+            raise ValueError(
+                f"best_of/beam width {params.beam_width} exceeds max_num_seqs={self.args.max_num_seqs}"
+            )
+        max_tokens = mc.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        internal = params
+        if params.best_of > params.n and not params.use_beam_search and params.logprobs is None:
+            internal = params.clone()
+            internal.logprobs = 0  # choosing the best n needs each token's logprob
+        return PreparedRequest(text, ids, params, internal, max_tokens)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.add_prepared_request(
+            request_id, self.prepare_request(prompt, params or SamplingParams()), arrival_time
+        )
+
+    def add_prepared_request(
+        self, request_id: str, prep: PreparedRequest, arrival_time: float | None = None
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        p = prep.params
+        eos = self._primary_eos
+        stop_ids = list(p.stop_token_ids or ())
+        stop_ids += [t for t in self.eos_token_ids if t != eos and not p.ignore_eos]
+        rp = RequestParams(
+            n=p.beam_width if p.use_beam_search else p.best_of,
+            max_tokens=prep.max_tokens,
+            min_tokens=min(p.min_tokens, prep.max_tokens),
+            stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+            eos_token_id=eos,
+            ignore_eos=p.ignore_eos,
+        )
+        now = time.time()
+        group = self.scheduler.add_request(request_id, prep.prompt_token_ids, rp,
+                                           arrival_time=None)
+        st = _RequestState(request_id, prep, group,
+                           RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now))
+        first = group.seqs[0] if group.seqs else group.finished_seqs[0]
+        st.seqs[first.seq_id] = self._new_seq_state(prep, 0)
+        if p.use_beam_search:
+            st.beam = BeamSearch.from_params(p, self.eos_token_ids, max_tokens=prep.max_tokens)
+        self._requests[request_id] = st
+
+    def _new_seq_state(self, prep: PreparedRequest, index: int) -> _SeqState:
+        p = prep.internal_params
+        gen = make_generator(child_seed(p.seed, index), self.device) if p.seed is not None else None
+        detok = None
+        if not p.use_beam_search:
+            detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, p,
+                                           eos_token_ids=self.eos_token_ids)
+        return _SeqState(index, detok, gen, [] if p.logprobs is not None else None)
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.scheduler.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        kv = s.kv
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
+            gpu_kv_usage=s.gpu_kv_usage, cpu_kv_usage=s.cpu_kv_usage,
+            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_gpu_blocks=kv.gpu_total, num_cpu_blocks=kv.cpu_total,
+        )
+
+    # ---- one iteration ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        now = time.time()
+        results: list[RequestOutput] = []
+        for g in out.finished:  # rejected, aborted, or ended for lack of memory
+            st = self._requests.pop(g.request_id, None)
+            if st is not None:
+                st.metrics.finished_time = now
+                results.append(self._final_output(st))
+        if out.is_empty:
+            return results
+
+        sched = out.scheduled
+        self.runner.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        sample_idx = [k for k, ss in enumerate(sched) if ss.do_sample]
+        logits = self.runner.execute(
+            [(ss.token_ids, ss.start, ss.block_table) for ss in sched], sample_idx
+        )
+        touched: dict[str, _RequestState] = {}
+        for ss in sched:
+            st = self._requests[ss.request_id]
+            if st.metrics.first_scheduled_time is None:
+                st.metrics.first_scheduled_time = now
+                st.metrics.time_in_queue = now - st.metrics.arrival_time
+        for name, _mode in out.preempted:
+            st = self._requests.get(name)
+            if st is not None:
+                st.metrics.num_preemptions += 1
+
+        samples, pending, beam_done = self._sample(out, sample_idx, logits, touched)
+        owner = {sched[k].seq_id: touched[sched[k].request_id] for k in sample_idx}
+        result = self.scheduler.update(out, samples)
+        now = time.time()
+
+        # Forked children start as copies of their parent before its new token.
+        fork_count: dict[int, int] = {}
+        for parent, child in result.forks:
+            st = owner[parent]
+            owner[child] = st
+            k = fork_count.get(parent, 0) + 1
+            fork_count[parent] = k
+            pst = st.seqs[parent]
+            seq = self._seq(st, child)
+            cst = _SeqState(
+                seq.index,
+                pst.detok.clone() if pst.detok is not None else None,
+                make_generator(child_seed(st.prep.internal_params.seed, seq.index), self.device)
+                if st.prep.internal_params.seed is not None else None,
+                list(pst.logprobs) if pst.logprobs is not None else None,
+                pst.cum_logprob,
+            )
+            st.seqs[child] = cst
+            pending[child] = [pending[parent][k]]
+            st.forked = True
+
+        for seq_id, entries in pending.items():
+            tok, lp, cum = entries[0]
+            st = owner[seq_id]
+            sst = st.seqs[seq_id]
+            if st.metrics.first_token_time is None:
+                st.metrics.first_token_time = now
+            st.metrics.last_token_time = now
+            if cum is not None:
+                sst.cum_logprob = cum
+            elif lp is not None:
+                sst.cum_logprob += lp.logprob
+            if sst.logprobs is not None and lp is not None and st.prep.params.logprobs is not None:
+                sst.logprobs.append(lp.to_dict())
+            if sst.detok is not None:
+                sst.detok.add_tokens([tok])
+                seq = self._seq(st, seq_id)
+                if seq is not None and not seq.is_finished and isinstance(sst.detok.stop_reason, str):
+                    seq.stop_reason = sst.detok.stop_reason
+                    self.scheduler.finish_sequence(seq_id, FinishReason.STOP)
+        for rid in beam_done:
+            st = self._requests.get(rid)
+            if st is not None:
+                touched[rid] = st
+
+        for rid, st in touched.items():
+            g = st.group
+            if g.is_finished:
+                st.metrics.finished_time = now
+                if st.beam is not None and not st.beam.done:
+                    st.beam.finish(self._live_beams(st))
+                self._requests.pop(rid, None)
+                results.append(self._final_output(st))
+            elif st.beam is None:
+                results.append(self._output(st, finished=False))
+        return results
+
+    def _seq(self, st: _RequestState, seq_id: int):
+        for s in st.group.seqs:
+            if s.seq_id == seq_id:
+                return s
+        for s in st.group.finished_seqs:
+            if s.seq_id == seq_id:
+                return s
+        return None
+
+    def _live_beams(self, st: _RequestState) -> list[Beam]:
+        return [Beam(s.seq_id, s.token_ids[s.prompt_len:], st.seqs[s.seq_id].cum_logprob)
+                for s in st.group.seqs]
+
+    def _sample(self, out, sample_idx, logits, touched):
+        """Sample every row; returns (samples for scheduler.update, per-sequence pending
+        (token, logprobs, new cumulative logprob or None), requests whose beam search ended)."""
+        sched, seqs = out.scheduled, out.seqs
+        rows: list[SamplingRow] = []
+        for k in sample_idx:
+            ss, seq = sched[k], seqs[k]
+            st = self._requests[ss.request_id]
+            touched[ss.request_id] = st
+            sst = st.seqs[ss.seq_id]
+            p = st.prep.internal_params
+            num = 1
+            if (not p.use_beam_search and p.best_of > 1 and not st.forked
+                    and seq.num_output_tokens == 0):
+                num = p.best_of
+            rows.append(SamplingRow(p, st.group.prompt_token_ids,
+                                    seq.token_ids[seq.prompt_len:] if p.needs_penalties else (),
+                                    sst.generator, num))
+        samples: dict[int, list[int]] = {}
+        pending: dict[int, list] = {}
+        beam_done: list[str] = []
+        if not rows:
+            return samples, pending, beam_done
+        batch = SamplingBatch(rows, vocab_size=logits.shape[1], device=logits.device,
+                              eos_token_ids=self.eos_token_ids, generator=self._generator)
+        sout = self.sampler(logits, batch)
+        beam_rows: dict[str, list[tuple[int, object]]] = {}
+        for r, k in enumerate(sample_idx):
+            ss = sched[k]
+            rs = sout.rows[r]
+            st = self._requests[ss.request_id]
+            if st.beam is not None:
+                beam_rows.setdefault(ss.request_id, []).append((ss.seq_id, rs))
+                continue
+            samples[ss.seq_id] = rs.token_ids
+            lps = rs.logprobs or [None] * len(rs.token_ids)
+            pending[ss.seq_id] = [(t, lp, None) for t, lp in zip(rs.token_ids, lps)]
+        for rid, items in beam_rows.items():
+            st = self._requests[rid]
+            live = {s.seq_id: s for s in st.group.seqs}
+            beams, cands = [], []
+            for seq_id, rs in items:
+                s = live[seq_id]
+                beams.append(Beam(seq_id, s.token_ids[s.prompt_len:], st.seqs[seq_id].cum_logprob))
+                cands.append((rs.beam_token_ids, rs.beam_logprobs))
+            res = st.beam.step(beams, cands)
+            if res.done:
+                for seq_id, _ in items:
+                    samples[seq_id] = []
+                beam_done.append(rid)
+                continue
+            plan = res.fork_plan([seq_id for seq_id, _ in items])
+            for seq_id, _ in items:
+                samples[seq_id] = []
+            for c in plan.continues + plan.forks:
+                samples[c.parent_seq_id].append(c.token_id)
+                pending.setdefault(c.parent_seq_id, []).append((c.token_id, None, c.cum_logprob))
+        return samples, pending, beam_done
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def _completion(self, st: _RequestState, seq, final: bool) -> CompletionOutput:
+        sst = st.seqs.get(seq.seq_id)
+        tokens = seq.token_ids[seq.prompt_len:]
+        finish = None
+        stop_reason = None
+        if seq.is_finished:
+            finish = _FINISH_TEXT[seq.finish_reason]
+            stop_reason = seq.stop_reason
+        text = ""
+        if sst is not None and sst.detok is not None:
+            if seq.is_finished and not sst.detok.finished:
+                sst.detok.finish(finish or "abort", stop_reason)
+            text = sst.detok.text if (final or seq.is_finished) else sst.detok.visible_text
+        want_lp = st.prep.params.logprobs is not None
+        return CompletionOutput(
+            index=sst.index if sst else seq.index,
+            text=text,
+            token_ids=tokens,
+            cumulative_logprob=sst.cum_logprob if sst else None,
+            logprobs=list(sst.logprobs) if (want_lp and sst and sst.logprobs is not None) else None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+        )
+
+    def _output(self, st: _RequestState, finished: bool) -> RequestOutput:
+        g = st.group
+        comps = [self._completion(st, s, finished) for s in g.all_seqs()]
+        return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
+                             finished, st.metrics)
+
+    def _final_output(self, st: _RequestState) -> RequestOutput:
+        p = st.prep.params
+        g = st.group
+        if st.beam is not None and st.beam.hypotheses:
+            comps = []
+            for i, h in enumerate(st.beam.results()[: p.n]):
+                text = detokenize(self.tokenizer, st.prep.prompt_token_ids, h.output_token_ids, p,
+                                  eos_token_ids=self.eos_token_ids).text if p.detokenize else ""
+                comps.append(CompletionOutput(i, text, list(h.output_token_ids), h.cum_logprob, None,
+                                              h.finish_reason,
+                                              h.stop_token_id))
+            return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
+                                 True, st.metrics)
+        comps = [self._completion(st, s, True) for s in g.all_seqs()]
+        if g.finish_reason is FinishReason.ABORTED or g.finish_reason is FinishReason.REJECTED:
+            for c in comps:
+                c.finish_reason = "abort"
+        if p.best_of > p.n and not p.use_beam_search:
+            comps.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
+            comps = comps[: p.n]
+            for i, c in enumerate(comps):
+                c.index = i
+        return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps, True,
+                             st.metrics)

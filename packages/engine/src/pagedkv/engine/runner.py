@@ -1,0 +1,215 @@
+"""The model runner: owns the model and the KV caches, and turns one `SchedulerOutput` into
+one forward pass.
+
+Per step it (1) swaps and copies blocks as the scheduler planned, (2) builds the flat batch —
+token ids, positions, slot mapping, block tables, per-sequence lengths — for the mixed
+prefill/decode batch, (3) runs the model once, and (4) returns the logits of the sequences that
+sample a token this step. Sampling itself belongs to the engine, which knows the requests.
+
+All layers' caches live in one tensor `kv_cache[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]`, so that one kernel launch copies or swaps a block in every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn_kernels import copy_blocks, swap_blocks
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.attention import AttentionMetadata
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.model_loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_GB = 1 << 30
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The tensors of one forward pass (kept for tests and debugging)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # indices into the flat token dimension, one per sampling sequence
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the KV cache, executes scheduler outputs."""
+
+    def __init__(self, model_config: ModelConfig, args: EngineArgs, device: torch.device) -> None:
+        self.config = model_config
+        self.args = args
+        self.device = device
+        self.dtype = model_config.dtype
+        self.block_size = args.block_size
+        self.max_model_len = model_config.max_model_len
+        self.max_num_batched_tokens = args.max_num_batched_tokens or max(2048, self.max_model_len)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+
+        self.model = load_model(
+            model_config, load_format=args.load_format, device=device, dtype=self.dtype
+        )
+        self.block_bytes = (
+            2 * model_config.num_layers * self.block_size * model_config.num_kv_heads
+            * model_config.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        )
+        self.num_gpu_blocks = args.num_gpu_blocks_override or self._num_blocks_that_fit()
+        if self.num_gpu_blocks < 1:
+            raise ValueError(
+                "not enough memory for even one KV block: lower --max-num-batched-tokens or "
+                "raise --gpu-memory-utilization / --kv-cache-gb"
+            )
+        if args.num_cpu_blocks_override is not None:
+            self.num_cpu_blocks = args.num_cpu_blocks_override
+        else:
+            self.num_cpu_blocks = int(args.swap_space * _GB // self.block_bytes)
+        shape = (model_config.num_layers, 2, self.num_gpu_blocks, self.block_size,
+                 model_config.num_kv_heads, model_config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        swap_shape = (shape[0], 2, self.num_cpu_blocks, *shape[3:])
+        pin = device.type == "cuda"
+        self.swap_cache = torch.empty(swap_shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GB) on %s, %d swap blocks (%.2f GB) on the host",
+            self.num_gpu_blocks, self.block_size, self.num_gpu_blocks * self.block_bytes / _GB,
+            device, self.num_cpu_blocks, self.num_cpu_blocks * self.block_bytes / _GB,
+        )
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def _num_blocks_that_fit(self) -> int:
+        if self.device.type != "cuda":
+            return int(self.args.kv_cache_gb * _GB // self.block_bytes)
+        return self._profile_gpu_blocks()
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Blocks that fit in `gpu_memory_utilization` of the GPU after the peak activation
+        memory of the largest batch (a profiling forward pass of `max_num_batched_tokens`)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        base_allocated = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.max_num_batched_tokens
+        seq_len = min(self.max_model_len, num_tokens)
+        num_seqs = max(1, min(self.args.max_num_seqs, num_tokens // seq_len))
+        lens = [seq_len] * num_seqs
+        blocks = sum(math.ceil(n / self.block_size) for n in lens)
+        c = self.config
+        tmp = torch.zeros((c.num_layers, 2, blocks, self.block_size, c.num_kv_heads, c.head_dim),
+                          dtype=self.dtype, device=self.device)
+        caches = [(tmp[i, 0], tmp[i, 1]) for i in range(c.num_layers)]
+        tables, b = [], 0
+        for n in lens:
+            k = math.ceil(n / self.block_size)
+            tables.append(list(range(b, b + k)))
+            b += k
+        inputs = self._build_inputs(
+            [(list(range(n)), 0, t) for n, t in zip(lens, tables)],
+            [i for i in range(num_seqs)],
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+        rows = torch.zeros(self.args.max_num_seqs, dtype=torch.long, device=self.device)
+        self.model.compute_logits(hidden[rows])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base_allocated - tmp.numel() * tmp.element_size()
+        del tmp, caches, hidden
+        torch.cuda.empty_cache()
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = total * self.args.gpu_memory_utilization - base_allocated - max(non_torch, 0) - peak
+        logger.info(
+            "memory profile: total %.1f GB, weights+state %.2f GB, peak activations %.2f GB, "
+            "other %.2f GB -> %.2f GB for the KV cache",
+            total / _GB, base_allocated / _GB, peak / _GB, max(non_torch, 0) / _GB, budget / _GB,
+        )
+        return int(max(budget, 0) // self.block_bytes)
+
+    # ---- one step -------------------------------------------------------------------------
+    def _build_inputs(
+        self,
+        seqs: list[tuple[list[int], int, list[int]]],
+        sample_seq_indices: list[int],
+    ) -> StepInputs:
+        """seqs: per sequence (token ids of the positions computed now, first position,
+        block table). Positions and slots are computed on the device from these few lists."""
+        bs = self.block_size
+        ids: list[int] = []
+        starts: list[int] = []
+        qlens: list[int] = []
+        width = 1
+        for toks, start, table in seqs:
+            ids.extend(toks)
+            starts.append(start)
+            qlens.append(len(toks))
+            width = max(width, len(table))
+        table_rows = [table + [0] * (width - len(table)) for _, _, table in seqs]
+        dev = self.device
+        num_seqs = len(seqs)
+        qlens_t = torch.tensor(qlens, dtype=torch.int32)
+        cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(qlens_t, 0, out=cu[1:])
+        starts_t = torch.tensor(starts, dtype=torch.int32)
+        seq_lens = starts_t + qlens_t
+        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), qlens_t.long())
+        total = len(ids)
+        positions = torch.arange(total) - cu[:-1].long()[seq_idx] + starts_t.long()[seq_idx]
+        block_tables = torch.tensor(table_rows, dtype=torch.int32)
+        slots = block_tables.long()[seq_idx, positions // bs] * bs + positions % bs
+        sample_rows = (cu[1:].long() - 1)[torch.tensor(sample_seq_indices, dtype=torch.long)]
+        max_q = max(qlens)
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            seq_lens=seq_lens.to(dev, non_blocking=True),
+            cu_query_lens=cu.to(dev, non_blocking=True),
+            max_query_len=max_q,
+            max_seq_len=int(seq_lens.max()),
+            decode_only=max_q == 1,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            meta=meta,
+            sample_rows=sample_rows.to(dev, non_blocking=True),
+        )
+
+    def apply_block_ops(
+        self,
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        copies: list[tuple[int, int]],
+    ) -> None:
+        """Swap out, swap in, then copy-on-write, in that order, before the forward pass.
+
+        The swaps are ordered on the compute stream: a block swapped out may be handed to
+        another sequence in this very step, and its new K/V must not be written before the
+        old contents left."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if swap_out:
+            swap_blocks(self.kv_cache, self.swap_cache, torch.tensor(swap_out, dtype=torch.long),
+                        stream=stream)
+        if swap_in:
+            swap_blocks(self.swap_cache, self.kv_cache, torch.tensor(swap_in, dtype=torch.long),
+                        stream=stream)
+        if copies:
+            copy_blocks(self.kv_cache, torch.tensor(copies, dtype=torch.long, device=self.device))
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        seqs: list[tuple[list[int], int, list[int]]],
+        sample_seq_indices: list[int],
+    ) -> torch.Tensor:
+        """Run one forward pass; return float32 logits [len(sample_seq_indices), vocab]."""
+        inputs = self._build_inputs(seqs, sample_seq_indices)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not sample_seq_indices:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[inputs.sample_rows])
