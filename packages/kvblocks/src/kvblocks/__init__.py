@@ -1,5 +1,56 @@
-"""KV-cache block manager for PagedAttention: block pool, block tables, copy-on-write, swapping, prefix caching. Pure Python, no dependencies."""
+"""kvblocks: the KV-cache block manager of PagedAttention, in pure Python (stdlib only).
+
+Why a package of its own: block bookkeeping (pool, free queue, ref counts, block tables,
+copy-on-write, swap plans, prefix-cache hashing) is pure integer logic that the scheduler, the
+engine and the simulator all need, and it must never pull in torch. It is tested on its own,
+exhaustively, and installs with no dependencies.
+
+Quick use::
+
+    from kvblocks import BlockManager
+
+    m = BlockManager(block_size=16, num_gpu_blocks=1024, num_cpu_blocks=256)
+    m.allocate(seq_id=0, token_ids=prompt)        # cached tokens (prefix caching) or 0
+    m.grow(0, len(prompt))                         # reserve KV slots -> copy-on-write pairs
+    m.slots(0, 0, len(prompt))                     # slot mapping for the forward pass
+"""
 
 from kvblocks.__about__ import __version__
+from kvblocks.errors import (
+    BlockLimitError,
+    DoubleFreeError,
+    InvalidBlockError,
+    KVBlocksError,
+    NoFreeBlocksError,
+    SequenceExistsError,
+    SwapError,
+    SwapSpaceError,
+    UnknownSequenceError,
+)
+from kvblocks.manager import BlockManager, InvariantError
+from kvblocks.pool import BlockPool
+from kvblocks.prefix_cache import CacheEntry, HashFn, PrefixCache, default_hash_fn
+from kvblocks.stats import KVStats
+from kvblocks.table import BlockTable
 
-__all__ = ["__version__"]
+__all__ = [
+    "BlockLimitError",
+    "BlockManager",
+    "BlockPool",
+    "BlockTable",
+    "CacheEntry",
+    "DoubleFreeError",
+    "HashFn",
+    "InvalidBlockError",
+    "InvariantError",
+    "KVBlocksError",
+    "KVStats",
+    "NoFreeBlocksError",
+    "PrefixCache",
+    "SequenceExistsError",
+    "SwapError",
+    "SwapSpaceError",
+    "UnknownSequenceError",
+    "__version__",
+    "default_hash_fn",
+]

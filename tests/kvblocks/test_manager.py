@@ -1,0 +1,359 @@
+"""BlockManager scenarios with exact block ids: paging, fork/copy-on-write, beam search, swapping,
+prefix caching, eviction order, hash collisions, accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblocks import BlockManager, SwapSpaceError
+
+
+def refs(m: BlockManager, pool: str = "gpu") -> list[int]:
+    p = m.gpu_pool if pool == "gpu" else m.cpu_pool
+    return [p.ref_count(b) for b in range(p.num_blocks)]
+
+
+def test_on_demand_paging_exact_ids_and_slots() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=8)
+    assert m.allocate(0, range(6)) == 0
+    assert m.block_table(0) == [] and m.num_slots(0) == 0 and m.num_tokens(0) == 6
+    assert m.grow(0, 6) == ()
+    assert m.block_table(0) == [0, 1]
+    assert m.slots(0, 0, 6) == [0, 1, 2, 3, 4, 5]
+    assert m.allocate(1, [7, 7, 7]) == 0
+    assert m.grow(1, 3) == ()
+    assert m.block_table(1) == [2]
+    assert m.slots(1, 0, 3) == [8, 9, 10]
+    # Decode: one token at a time; a new block only when the last one is full.
+    m.append_token_ids(0, [6])
+    assert m.grow(0, 1) == () and m.block_table(0) == [0, 1] and m.slot(0, 6) == 6
+    m.append_token_ids(0, [7])
+    assert m.grow(0, 1) == () and m.block_table(0) == [0, 1] and m.num_slots(0) == 8
+    m.append_token_ids(0, [8])
+    assert m.blocks_needed(0, 1) == 1 and m.can_grow(0, 1)
+    assert m.grow(0, 1) == () and m.block_table(0) == [0, 1, 3]
+    assert m.slot(0, 8) == 12 and m.slots(0, 3, 9) == [3, 4, 5, 6, 7, 12]
+    st = m.stats()
+    assert (st.gpu_used, st.gpu_free, st.gpu_total) == (4, 4, 8)
+    assert st.kv_utilization == pytest.approx((9 + 3) / 16)
+    assert st.fragmentation == pytest.approx(1 - 12 / 16)
+    assert st.gpu_usage == 0.5 and st.blocks_saved_by_sharing == 0
+    # Free releases tail first; uncached blocks go to the head of the free queue.
+    m.free(0)
+    assert m.gpu_pool.free_block_ids() == [0, 1, 3, 4, 5, 6, 7]
+    assert m.allocate(2, range(5)) == 0 and m.grow(2, 5) == ()
+    assert m.block_table(2) == [0, 1]
+    m.free(1)
+    m.free(2)
+    assert m.gpu_pool.num_free == 8 and m.num_seqs == 0
+
+
+def test_fork_and_copy_on_write() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=8)
+    m.allocate(0, range(6))
+    m.grow(0, 6)
+    m.fork(0, 1)
+    assert m.block_table(1) == [0, 1]
+    assert m.token_ids(1) == list(range(6)) and m.num_slots(1) == 6
+    assert refs(m)[:3] == [2, 2, 0]
+    assert m.stats().blocks_saved_by_sharing == 2
+    # The parent writes into the shared, partly filled block 1: it is copied to block 2.
+    m.append_token_ids(0, [100])
+    assert m.blocks_needed(0, 1) == 1
+    assert m.grow(0, 1) == ((1, 2),)
+    assert m.block_table(0) == [0, 2] and m.block_table(1) == [0, 1]
+    assert refs(m)[:3] == [2, 1, 1]
+    # The child now owns block 1 alone and writes in place.
+    m.append_token_ids(1, [200])
+    assert m.blocks_needed(1, 1) == 0
+    assert m.grow(1, 1) == ()
+    assert m.slot(0, 6) == 10 and m.slot(1, 6) == 6
+    assert m.token_ids(0)[-1] == 100 and m.token_ids(1)[-1] == 200
+    # Crossing a block boundary while block 0 stays shared: no copy, just a new block.
+    m.append_token_ids(0, [101, 102])
+    assert m.grow(0, 2) == () and m.block_table(0) == [0, 2, 3]
+    # Copy-on-write together with new blocks in one grow (prefill of a fork).
+    m.fork(1, 2)
+    m.append_token_ids(2, range(300, 306))
+    assert m.blocks_needed(2, 6) == 3
+    assert m.grow(2, 6) == ((1, 4),)
+    assert m.block_table(2) == [0, 4, 5, 6]
+    for s in (0, 1, 2):
+        m.free(s)
+    assert refs(m) == [0] * 8
+
+
+def test_beam_search_fork_prune_sequence() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=6)
+    m.allocate(0, [1, 2, 3])
+    assert m.grow(0, 3) == () and m.block_table(0) == [0]
+    # Step 1: two beams out of the prompt.
+    m.fork(0, 1)
+    m.append_token_ids(0, [10])
+    m.append_token_ids(1, [11])
+    assert m.grow(0, 1) == ((0, 1),)
+    assert m.grow(1, 1) == ()
+    assert (m.block_table(0), m.block_table(1)) == ([1], [0])
+    # Step 2: both best candidates extend beam 1; beam 0 is pruned.
+    m.fork(1, 2)
+    m.free(0)
+    assert m.gpu_pool.free_block_ids() == [1, 2, 3, 4, 5]
+    m.append_token_ids(1, [20])
+    m.append_token_ids(2, [21])
+    assert m.grow(1, 1) == () and m.grow(2, 1) == ()
+    assert (m.block_table(1), m.block_table(2)) == ([0, 1], [0, 2])
+    assert refs(m) == [2, 1, 1, 0, 0, 0]
+    # Step 3: each beam keeps its own best continuation.
+    m.append_token_ids(1, [30])
+    m.append_token_ids(2, [31])
+    assert m.grow(1, 1) == () and m.grow(2, 1) == ()
+    # Step 4: both candidates come from beam 2; beam 1 is pruned; the shared partly filled
+    # block 2 is copied on write into the block beam 1 just released.
+    m.fork(2, 3)
+    m.free(1)
+    m.append_token_ids(2, [40])
+    m.append_token_ids(3, [41])
+    assert m.grow(2, 1) == ((2, 1),)
+    assert m.grow(3, 1) == ()
+    assert (m.block_table(2), m.block_table(3)) == ([0, 1], [0, 2])
+    assert m.token_ids(2) == [1, 2, 3, 11, 21, 31, 40]
+    assert m.token_ids(3) == [1, 2, 3, 11, 21, 31, 41]
+    assert refs(m) == [2, 1, 1, 0, 0, 0]
+    assert m.stats().blocks_saved_by_sharing == 1
+    m.free(2)
+    m.free(3)
+    assert m.gpu_pool.num_free == 6
+
+
+def _shared_group() -> BlockManager:
+    """seq 0 owns [0, 1]; seqs 1 and 2 are forks that copied block 1 on write.
+
+    Block 0 is shared by 0, 1 and 2; the group {1, 2} holds blocks 0, 2, 3.
+    """
+    m = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=4)
+    m.allocate(0, range(6))
+    m.grow(0, 6)
+    m.fork(0, 1)
+    m.append_token_ids(1, [9])
+    assert m.grow(1, 1) == ((1, 2),)
+    m.fork(0, 2)
+    m.append_token_ids(2, [8])
+    assert m.grow(2, 1) == ((1, 3),)
+    assert [m.block_table(s) for s in (0, 1, 2)] == [[0, 1], [0, 2], [0, 3]]
+    return m
+
+
+def test_swap_out_and_in_with_shared_blocks() -> None:
+    m = _shared_group()
+    assert m.num_group_blocks([1, 2]) == 3
+    assert m.can_swap_out([1, 2])
+    assert m.swap_out([1, 2]) == {0: 0, 2: 1, 3: 2}
+    assert m.location(1) == m.location(2) == "cpu" and m.location(0) == "gpu"
+    assert m.block_table(1) == [0, 1] and m.block_table(2) == [0, 2]
+    assert refs(m, "cpu") == [2, 1, 1, 0]
+    # GPU block 0 stays for seq 0; blocks 2 and 3 were released (tail first, to the head).
+    assert refs(m)[:4] == [1, 1, 0, 0]
+    assert m.gpu_pool.free_block_ids() == [3, 2, 4, 5, 6, 7]
+    st = m.stats()
+    assert (st.gpu_used, st.cpu_used, st.cpu_free) == (2, 3, 1)
+    # The sequence left on the GPU keeps decoding meanwhile.
+    m.append_token_ids(0, [6, 7, 8])
+    assert m.grow(0, 3) == () and m.block_table(0) == [0, 1, 3]
+    assert m.can_swap_in([1, 2])
+    assert m.swap_in([1, 2]) == {0: 2, 1: 4, 2: 5}
+    assert m.block_table(1) == [2, 4] and m.block_table(2) == [2, 5]
+    assert m.location(1) == "gpu"
+    assert refs(m, "cpu") == [0, 0, 0, 0] and m.cpu_pool.num_free == 4
+    # Block 2 holds the group's shared prefix once, for both sequences.
+    assert refs(m)[:6] == [1, 1, 2, 1, 1, 1]
+    m.append_token_ids(1, [1])
+    assert m.grow(1, 1) == ()  # block 4 is owned by seq 1 alone
+    for s in (0, 1, 2):
+        m.free(s)
+    assert m.gpu_pool.num_free == 8 and m.cpu_pool.num_free == 4
+
+
+def test_swap_says_in_advance_when_it_does_not_fit() -> None:
+    m = _shared_group()
+    m.allocate(7, [1])  # no block
+    m.cpu_pool.allocate_n(2)  # only 2 CPU blocks left; the group needs 3
+    assert not m.can_swap_out([1, 2])
+    assert m.can_swap_out([1])
+    before = m.debug_snapshot()
+    with pytest.raises(SwapSpaceError, match="3 distinct blocks but the cpu pool has only 2"):
+        m.swap_out([1, 2])
+    assert m.debug_snapshot() == before
+    assert m.swap_out([1]) == {0: 2, 2: 3}
+    # Fill the GPU, then swapping in must refuse without moving anything.
+    m.gpu_pool.allocate_n(m.gpu_pool.num_free - 1)
+    assert not m.can_swap_in([1])
+    before = m.debug_snapshot()
+    with pytest.raises(SwapSpaceError, match="gpu pool has only 1 free"):
+        m.swap_in([1])
+    assert m.debug_snapshot() == before
+
+
+def test_prefix_hits_exact_blocks_and_stats() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=10, enable_prefix_caching=True)
+    a = list(range(10))
+    assert m.allocate(0, a) == 0
+    assert m.grow(0, 10) == () and m.block_table(0) == [0, 1, 2]
+    # Blocks 0 and 1 are full: published. Block 2 is partly filled: not cached.
+    assert m.peek_prefix(a) == 8
+    assert m.allocate(1, a) == 8
+    assert m.block_table(1) == [0, 1] and m.num_slots(1) == 8
+    assert m.grow(1, 2) == () and m.block_table(1) == [0, 1, 3]
+    # Diverging after two blocks, after one block, or another extra key.
+    assert m.allocate(2, [*a[:8], 50, 51, 52, 53, 54]) == 8
+    assert m.block_table(2) == [0, 1]
+    assert m.allocate(3, [*a[:4], 99, 99, 99, 99, 99]) == 4 and m.block_table(3) == [0]
+    assert m.allocate(4, a, extra_key="lora-1") == 0 and m.block_table(4) == []
+    # At least one token is always left to compute: a prompt of exactly 2 blocks takes 1.
+    assert m.allocate(5, a[:8]) == 4
+    assert refs(m)[:4] == [5, 3, 1, 1]
+    st = m.stats()
+    # queries (blocks): 2 + 2 + 3 + 2 + 2 + 1; hits: 0 + 2 + 2 + 1 + 0 + 1
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (12, 6)
+    assert st.prefix_cache_hit_rate == 0.5
+    assert st.blocks_saved_by_sharing == 4 + 2
+    assert st.prefix_cached_blocks == 2
+    # peek_prefix counts no query and changes nothing.
+    before = m.debug_snapshot()
+    assert m.peek_prefix([*a[:8], 7]) == 8
+    assert m.debug_snapshot() == before
+
+
+def test_prefix_caching_off_returns_zero() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=4)
+    m.allocate(0, range(9))
+    m.grow(0, 9)
+    assert m.peek_prefix(range(9)) == 0
+    assert m.allocate(1, range(9)) == 0
+    assert m.stats().prefix_cache_queries == 0
+
+
+def test_eviction_order_under_memory_pressure() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=6, enable_prefix_caching=True)
+    m.allocate(0, range(12))
+    m.grow(0, 12)
+    m.allocate(1, range(100, 108))
+    m.grow(1, 8)
+    assert (m.block_table(0), m.block_table(1)) == ([0, 1, 2], [3, 4])
+    m.free(0)
+    m.free(1)
+    # Cached blocks stay, evictable, at the tail: each sequence's last block first.
+    assert m.gpu_pool.free_block_ids() == [5, 2, 1, 0, 4, 3]
+    st = m.stats()
+    assert (st.gpu_free, st.gpu_used, st.prefix_cached_blocks) == (6, 0, 5)
+    # Memory is needed: the uncached block 5 goes first, then the least recently freed
+    # cached block (seq 0's last one).
+    m.allocate(2, range(200, 206))
+    assert m.grow(2, 6) == () and m.block_table(2) == [5, 2]
+    assert m.stats().prefix_cache_evictions == 1
+    assert m.peek_prefix([*range(12), 1]) == 8
+    # A hit takes blocks 3 and 4 out of the middle of the free queue.
+    assert m.allocate(3, [*range(100, 108), 7]) == 8 and m.block_table(3) == [3, 4]
+    assert m.gpu_pool.free_block_ids() == [1, 0]
+    m.allocate(4, range(300, 308))
+    m.grow(4, 8)
+    assert m.block_table(4) == [1, 0]
+    assert m.peek_prefix([*range(12), 1]) == 0
+    assert m.stats().prefix_cache_evictions == 3
+
+
+def test_constant_hash_never_shares_a_wrong_block() -> None:
+    m = BlockManager(
+        block_size=4, num_gpu_blocks=8, enable_prefix_caching=True, hash_fn=lambda p, t, e: 0
+    )
+    m.allocate(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.grow(0, 9)
+    assert m.block_table(0) == [0, 1, 2]
+    # Block 0 was cached; block 1 collides with it and is refused.
+    assert m.stats().prefix_cached_blocks == 1
+    assert m.allocate(1, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4 and m.block_table(1) == [0]
+    assert m.allocate(2, [9, 9, 9, 9, 5, 6, 7, 8, 1]) == 0
+    assert m.allocate(3, [1, 2, 3, 4, 1, 2, 3, 4, 0]) == 4 and m.block_table(3) == [0]
+    assert m.allocate(4, [1, 2, 3, 4, 0], extra_key="x") == 0
+
+
+def test_collision_after_eviction_never_shares_a_stale_child() -> None:
+    """A hash that ignores a block's first token makes [1,2,3,4] and [9,2,3,4] collide.
+
+    The child entry of an evicted parent keeps the parent's hash; when a different block is
+    later cached under that same hash, comparing parent hashes is not enough: the entry also
+    names its parent entry (serial), so the stale child is not matched.
+    """
+    m = BlockManager(
+        block_size=4,
+        num_gpu_blocks=6,
+        enable_prefix_caching=True,
+        hash_fn=lambda p, t, e: hash((p, t[1:], e)),
+    )
+    m.allocate(0, [1, 2, 3, 4, 50])
+    m.allocate(1, [1, 2, 3, 4, 5, 6, 7, 8, 60])
+    m.grow(0, 5)  # block 0 = [1,2,3,4] is cached
+    m.grow(1, 9)  # block 2 duplicates it; block 3 = [5,6,7,8] is cached as its child
+    assert (m.block_table(0), m.block_table(1)) == ([0, 1], [2, 3, 4])
+    m.free(0)
+    m.allocate(2, range(70, 79))
+    m.grow(2, 9)  # needs three blocks: 1, 5 and 0 (the cached parent is evicted)
+    assert m.block_table(2) == [1, 5, 0]
+    m.free(2)
+    m.allocate(3, [9, 2, 3, 4, 99])
+    m.grow(3, 5)  # [9,2,3,4] is cached under the evicted parent's hash
+    assert m.peek_prefix([9, 2, 3, 4, 1]) == 4
+    # Same parent hash, same tokens, but the KV of block 3 was computed after [1,2,3,4].
+    assert m.peek_prefix([9, 2, 3, 4, 5, 6, 7, 8, 1]) == 4
+    assert m.allocate(4, [9, 2, 3, 4, 5, 6, 7, 8, 1]) == 4
+    assert m.block_table(4) == m.block_table(3)[:1]
+    # And the original prefix is gone.
+    assert m.peek_prefix([1, 2, 3, 4, 5, 6, 7, 8, 1]) == 0
+    # The stale child cannot be matched any more, so it gives its hash up to the live chain.
+    m.free(3)
+    assert m.grow(4, 5) == ()
+    assert m.block_table(4) == [0, 5, 1] and m.num_cached_tokens(4) == 8
+    assert not m.gpu_pool.is_cached(3) and m.block_table(1) == [2, 3, 4]
+    assert m.peek_prefix([9, 2, 3, 4, 5, 6, 7, 8, 1]) == 8
+    m.check_invariants()
+
+
+def test_swap_in_republishes_prefix_blocks() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=4, num_cpu_blocks=4, enable_prefix_caching=True)
+    m.allocate(0, range(9))
+    m.grow(0, 9)
+    assert m.swap_out([0]) == {0: 0, 1: 1, 2: 2}
+    # The GPU copies stay cached: free queue = uncached 2, 3, then cached 1, 0.
+    assert m.gpu_pool.free_block_ids() == [2, 3, 1, 0]
+    assert m.peek_prefix([*range(8), 1]) == 8
+    # Fill the GPU so that the cached copies are evicted.
+    m.allocate(1, range(50, 66))
+    m.grow(1, 16)
+    assert m.block_table(1) == [2, 3, 1, 0]
+    m.free(1)
+    assert m.peek_prefix([*range(8), 1]) == 0
+    assert m.swap_in([0]) == {0: 0, 1: 1, 2: 3}
+    assert m.peek_prefix([*range(8), 1]) == 8
+    assert m.num_cached_tokens(0) == 8
+
+
+def test_max_blocks_per_seq() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=8, max_blocks_per_seq=2)
+    m.allocate(0, range(8))
+    assert m.can_grow(0, 8) and not m.can_grow(0, 9)
+    m.grow(0, 8)
+    assert m.block_table(0) == [0, 1]
+
+
+def test_stats_utilization_counts_shared_blocks_once() -> None:
+    m = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2)
+    st = m.stats()
+    assert (st.kv_utilization, st.fragmentation, st.gpu_usage) == (1.0, 0.0, 0.0)
+    m.allocate(0, range(5))
+    m.grow(0, 5)
+    m.fork(0, 1)
+    st = m.stats()
+    # Blocks 0 (4 slots) and 1 (1 slot) used, shared by two sequences.
+    assert st.kv_utilization == pytest.approx(5 / 8)
+    assert st.blocks_saved_by_sharing == 2 and st.num_sequences == 2
+    d = st.as_dict()
+    assert d["gpu_used"] == 2 and d["cpu_total"] == 2 and "prefix_cache_hit_rate" in d
