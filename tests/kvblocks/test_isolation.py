@@ -29,4 +29,6 @@ def test_import_kvblocks_leaves_torch_out() -> None:
         if m.split(".")[0] not in sys.stdlib_module_names and not m.startswith("kvblocks")
     }
     # Interpreter start-up hooks of a virtual environment may appear; nothing else may.
-    assert third_party <= {"__main__", "_distutils_hack", "_virtualenv", "sitecustomize"}, third_party
+    assert third_party <= {"__main__", "_distutils_hack", "_virtualenv", "sitecustomize"}, (
+        third_party
+    )
