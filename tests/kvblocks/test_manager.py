@@ -228,6 +228,7 @@ def test_prefix_caching_off_returns_zero() -> None:
     m.allocate(0, range(9))
     m.grow(0, 9)
     assert m.peek_prefix(range(9)) == 0
+    assert m.blocks_needed_for(range(9)) == 3
     assert m.allocate(1, range(9)) == 0
     assert m.stats().prefix_cache_queries == 0
 
@@ -251,9 +252,13 @@ def test_eviction_order_under_memory_pressure() -> None:
     assert m.grow(2, 6) == () and m.block_table(2) == [5, 2]
     assert m.stats().prefix_cache_evictions == 1
     assert m.peek_prefix([*range(12), 1]) == 8
+    # Admission: 2 cached blocks, both free now (evictable), plus 1 new block.
+    assert m.blocks_needed_for([*range(100, 108), 7]) == 3
+    assert m.blocks_needed_for([*range(100, 108), 7], extra_key=1) == 3
     # A hit takes blocks 3 and 4 out of the middle of the free queue.
     assert m.allocate(3, [*range(100, 108), 7]) == 8 and m.block_table(3) == [3, 4]
     assert m.gpu_pool.free_block_ids() == [1, 0]
+    assert m.blocks_needed_for([*range(100, 108), 7, 8, 9, 10, 11]) == 2  # 2 shared in use
     m.allocate(4, range(300, 308))
     m.grow(4, 8)
     assert m.block_table(4) == [1, 0]

@@ -147,6 +147,8 @@ class KVBlocksMachine(RuleBasedStateMachine):
         s = self.next_id
         self.next_id += 1
         expected = m.peek_prefix(prompt, extra_key=extra)
+        admit = m.blocks_needed_for(prompt, extra_key=extra)
+        free0 = m.gpu_pool.num_free
         q0 = m.stats().prefix_cache_queries
         cached = m.allocate(s, prompt, extra_key=extra)
         assert cached == expected
@@ -158,8 +160,11 @@ class KVBlocksMachine(RuleBasedStateMachine):
             assert m.stats().prefix_cache_queries - q0 == (len(prompt) - 1) // BS
         else:
             assert cached == 0
-        if prefill:
+        if prefill and m.can_grow(s, len(prompt) - cached):
             self._grow(s, len(prompt) - cached)
+            assert free0 - m.gpu_pool.num_free == admit
+        elif prefill:
+            self._grow(s, len(prompt) - cached)  # checks that it refuses
 
     @rule(i=picks, quarters=st.integers(1, 4))
     def grow(self, i: int, quarters: int) -> None:

@@ -208,6 +208,30 @@ class BlockManager:
         max_blocks = (len(tokens) - 1) >> self._shift
         return len(cache.match(tokens, extra_key, max_blocks, [])) << self._shift
 
+    def blocks_needed_for(
+        self, token_ids: Iterable[int], *, extra_key: Hashable | None = None
+    ) -> int:
+        """Free GPU blocks that ``allocate(token_ids)`` then ``grow(len(token_ids))`` would take.
+
+        The blocks the prompt does not find in the prefix cache, plus the cached blocks it
+        would reuse that are free now (evictable: taking them lowers ``num_free`` too).
+        Changes nothing. For admission decisions.
+        """
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if not tokens:
+            raise ValueError("token_ids is empty; give at least one token")
+        total = (len(tokens) + self._mask) >> self._shift
+        cache = self._cache
+        if cache is None:
+            return total
+        try:
+            hash(extra_key)
+        except TypeError:
+            raise ValueError(f"extra_key must be hashable, got {extra_key!r}") from None
+        hits = cache.match(tokens, extra_key, (len(tokens) - 1) >> self._shift, [])
+        ref = self._gpu_ref
+        return total - len(hits) + sum(1 for e in hits if ref[e.block_id] == 0)
+
     def append_token_ids(self, seq_id: int, token_ids: Iterable[int]) -> None:
         """Record newly sampled token ids (allocates no block; :meth:`grow` does)."""
         try:
@@ -255,7 +279,7 @@ class BlockManager:
         if seq is None:
             self._get(seq_id)  # raises UnknownSequenceError
         pool = self.gpu_pool if seq.on_gpu else self.cpu_pool  # type: ignore[union-attr]
-        pool._decref_many(seq.blocks[::-1])  # type: ignore[union-attr]
+        pool._decref_many(reversed(seq.blocks))  # type: ignore[union-attr]
 
     # ============================================================== growing
     def blocks_needed(self, seq_id: int, num_new_slots: int) -> int:
@@ -512,7 +536,7 @@ class BlockManager:
             mapping[b] = d
         to_gpu = dst is self.gpu_pool
         for seq in seqs:
-            src._decref_many(seq.blocks[::-1])
+            src._decref_many(reversed(seq.blocks))
             seq.blocks = [mapping[b] for b in seq.blocks]
             seq.on_gpu = to_gpu
             seq.fast_left = 0

@@ -22,7 +22,7 @@ cache holds no reference of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvblocks.errors import DoubleFreeError, InvalidBlockError, NoFreeBlocksError
 
@@ -238,7 +238,7 @@ class BlockPool:
             nxt[s] = b
         self._num_free += 1
 
-    def _decref_many(self, blocks: list[int]) -> None:
+    def _decref_many(self, blocks: Iterable[int]) -> None:
         """Drop one reference on each block, in order (trusted caller: ids valid and allocated)."""
         ref = self._ref
         release = self._release
