@@ -1,0 +1,250 @@
+"""`SamplingParams`: how one request picks its tokens, with vLLM's field names and meaning.
+
+Everything a user can get wrong is checked once, here, in `__post_init__`, so the sampler,
+the detokenizer and the beam search can trust the values. A bad value raises `ValueError`
+naming the field and the allowed range, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+#: Temperatures below this are greedy (argmax), like vLLM.
+SAMPLING_EPS = 1e-5
+
+#: Most top-N alternatives a request may ask for per token (`logprobs`, `prompt_logprobs`).
+MAX_LOGPROBS = 20
+
+
+class SamplingType(IntEnum):
+    """How the sampler picks a row's token."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+    BEAM = 3
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling options of one request (vLLM names and semantics).
+
+    `temperature == 0` (below 1e-5) is greedy. `top_k` 0 or -1 means no top-k. `best_of`
+    defaults to `n`; `n` of the `best_of` sequences are returned. With `use_beam_search`,
+    `best_of` (or `n`) is the beam width and `temperature` must be 0. `max_tokens=None`
+    means "until the model's context is full" (the engine caps it). `stop` strings end the
+    text (the stop string itself is cut unless `include_stop_str_in_output`);
+    `stop_token_ids` end it like EOS. `logprobs=N` returns the sampled token's log-probability
+    and the N most likely alternatives of the model's raw distribution.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise first (copies: never mutate the caller's lists), then validate everything.
+        stop = self.stop
+        if stop is None:
+            stop_list: list[str] = []
+        elif isinstance(stop, str):
+            stop_list = [stop]
+        elif isinstance(stop, list | tuple):
+            stop_list = list(stop)
+        else:
+            raise ValueError(
+                f"stop must be a string or a list of strings, got {type(stop).__name__}"
+            )
+        stop_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop_ids, list | tuple):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {type(stop_ids).__name__}"
+            )
+        self._validate(stop_list, list(stop_ids))
+        self.stop = stop_list
+        self.stop_token_ids = list(stop_ids)
+        if self.best_of is None:
+            self.best_of = self.n
+
+    def _validate(self, stop: list[str], stop_token_ids: list[object]) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or self.best_of < 1:
+                raise ValueError(f"best_of must be an integer >= 1, got {self.best_of!r}")
+            if self.n > self.best_of:
+                raise ValueError(
+                    f"n must be <= best_of (n={self.n}, best_of={self.best_of}): "
+                    "best_of is how many sequences are generated, n how many are returned"
+                )
+        if (
+            not _is_number(self.temperature)
+            or not (self.temperature >= 0.0)
+            or math.isinf(self.temperature)
+        ):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}"
+            )
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if (
+            not _is_number(self.repetition_penalty)
+            or not (self.repetition_penalty > 0.0)
+            or math.isinf(self.repetition_penalty)
+        ):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}"
+            )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens (min_tokens={self.min_tokens}, "
+                f"max_tokens={self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not (0 <= v <= MAX_LOGPROBS)):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}"
+                )
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched on the text)")
+        for t in stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {t!r}")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+        best_of = self.n if self.best_of is None else self.best_of
+        if self.use_beam_search:
+            if self.temperature >= SAMPLING_EPS:
+                raise ValueError(
+                    f"temperature must be 0 with use_beam_search (beam search is deterministic), "
+                    f"got {self.temperature!r}"
+                )
+            if self.top_p < 1.0 or self.top_k not in (0, -1) or self.min_p > 0.0:
+                raise ValueError(
+                    "top_p, top_k and min_p must be off (1, 0, 0) with use_beam_search, got "
+                    f"top_p={self.top_p!r}, top_k={self.top_k!r}, min_p={self.min_p!r}"
+                )
+            if stop:
+                raise ValueError(
+                    "stop strings are not supported with use_beam_search; use stop_token_ids"
+                )
+        else:
+            if self.length_penalty != 1.0:
+                raise ValueError(
+                    f"length_penalty only applies to beam search (use_beam_search=True), "
+                    f"got {self.length_penalty!r}"
+                )
+            if self.early_stopping is not False:
+                raise ValueError(
+                    f"early_stopping only applies to beam search (use_beam_search=True), "
+                    f"got {self.early_stopping!r}"
+                )
+            if self.temperature < SAMPLING_EPS and best_of > 1:
+                raise ValueError(
+                    f"best_of (and n) must be 1 with greedy sampling (temperature=0), got "
+                    f"best_of={best_of}: the copies would be identical; set temperature > 0"
+                )
+
+    # ---- derived values -------------------------------------------------------------------
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.use_beam_search:
+            return SamplingType.BEAM
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step in beam search (= best_of, which defaults to n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Most characters streaming may hold back while a stop string could still be forming."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def all_stop_token_ids(self, eos_token_ids: object = ()) -> set[int]:
+        """Tokens that end a sequence: the model's EOS ids (unless `ignore_eos`) and `stop_token_ids`."""
+        ids = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            ids.update(int(t) for t in eos_token_ids)  # type: ignore[attr-defined]
+        return ids
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
