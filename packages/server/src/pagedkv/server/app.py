@@ -1,0 +1,216 @@
+"""`build_app`: the FastAPI application around one engine.
+
+The engine is anything with the `AsyncLLMEngine` interface (`generate`, `abort`,
+`get_tokenizer`, `model_config`, `errored`, `get_stats`); the app neither starts nor stops it,
+so the same factory serves the CLI, tests with a real engine in-process, and embedders.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagedkv.server.__about__ import __version__
+from pagedkv.server.errors import APIError, bad_request, install_error_handlers
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagedkv.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedkv.server.serving import OpenAIServing
+from pagedkv.server.streams import ClientDisconnected
+
+logger = logging.getLogger(__name__)
+
+#: Default body limit: far above any prompt that fits a context window, far below memory trouble.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": desc}
+    for status, desc in (
+        (400, "invalid value (OpenAI error body)"),
+        (401, "missing or wrong API key (when the server has one)"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (500, "unexpected server error"),
+        (503, "the engine loop has stopped"),
+    )
+}
+_SSE_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "JSON, or with `stream: true` server-sent events ending with `data: [DONE]`",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **_ERRORS,
+}
+
+
+def _engine_version() -> str | None:
+    try:
+        from pagedkv.engine import __version__ as v
+    except Exception:  # pragma: no cover - the engine always has one
+        return None
+    return str(v)
+
+
+def build_app(
+    engine: Any,
+    *,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_root: str | None = None,
+) -> FastAPI:
+    """An OpenAI-compatible app over `engine`, serving it under `served_model_names`.
+
+    `api_key`: when set, every /v1/* request needs `Authorization: Bearer <api_key>`.
+    `max_body_bytes`: larger request bodies get a 413 before they are parsed.
+    """
+    app = FastAPI(
+        title="pagedkv OpenAI-compatible server",
+        version=__version__,
+        description="OpenAI-compatible completions and chat over the pagedkv engine.",
+    )
+    metrics = ServerMetrics(engine, served_model_names[0] if served_model_names else "")
+    serving = OpenAIServing(engine, served_model_names, metrics)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.engine = engine
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        logger.info("%s %s: client disconnected; request aborted", request.method, request.url.path)
+        return Response(status_code=499)
+
+    def _sse(body: Any) -> StreamingResponse:
+        return StreamingResponse(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=_SSE_DOC,
+        summary="Create a text completion (OpenAI API)",
+    )
+    async def create_completion(body: CompletionRequest, request: Request) -> Any:
+        result = await serving.create_completion(body, request)
+        return result if isinstance(result, CompletionResponse) else _sse(result)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=_SSE_DOC,
+        summary="Create a chat completion (OpenAI API)",
+    )
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+        result = await serving.create_chat_completion(body, request)
+        return result if isinstance(result, ChatCompletionResponse) else _sse(result)
+
+    @app.get(
+        "/v1/models", response_model=ModelList, responses=_ERRORS, summary="List served models"
+    )
+    async def list_models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=model_root or name, max_model_len=serving.max_model_len)
+                for name in serving.served_model_names
+            ]
+        )
+
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "the engine loop is alive (empty body)"},
+            503: _ERRORS[503],
+        },
+        summary="Liveness of the engine loop",
+    )
+    async def health() -> Response:
+        try:
+            check = getattr(engine, "check_health", None)
+            if check is not None:
+                await check()
+            if getattr(engine, "errored", False):
+                raise RuntimeError("the engine loop has stopped")
+        except Exception as exc:
+            raise APIError(503, f"unhealthy: {exc}") from exc
+        return Response(status_code=200)
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                "description": "Prometheus text format",
+            }
+        },
+        summary="Prometheus metrics (vLLM names)",
+    )
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post(
+        "/tokenize",
+        response_model=TokenizeResponse,
+        responses=_ERRORS,
+        summary="Tokenize a prompt or chat messages",
+    )
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.resolve_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            tokens = serving.render_chat(body.messages, body.add_generation_prompt is not False)
+        else:
+            tokens = serving.encode(
+                body.prompt or "", add_special_tokens=body.add_special_tokens is not False
+            )
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens
+        )
+
+    @app.post(
+        "/detokenize",
+        response_model=DetokenizeResponse,
+        responses=_ERRORS,
+        summary="Turn token ids back into text",
+    )
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.resolve_model(body.model)
+        serving.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    @app.get("/version", response_model=VersionResponse, summary="Server and engine versions")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__, engine_version=_engine_version())
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> JSONResponse:
+        return JSONResponse({"message": "pagedkv OpenAI-compatible server", "docs": "/docs"})
+
+    # Outermost first: the API key is checked before a big body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

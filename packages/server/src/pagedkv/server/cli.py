@@ -1,0 +1,190 @@
+"""`pagedkv serve [MODEL]`: start the engine and serve it over HTTP with uvicorn.
+
+The engine's CLI finds this through the entry point group `pagedkv.subcommands`
+(`serve = "pagedkv.server.cli:register"`); `python -m pagedkv.server` runs the same parser.
+
+Shutdown: SIGTERM or Ctrl-C makes uvicorn stop accepting connections and finish (or, after a
+few seconds, drop) the requests in flight; then the engine is shut down and the process exits
+with status 0. uvicorn's own signal handling re-raises the signal after its shutdown (exit
+status 143 for SIGTERM); we keep the graceful part and drop the re-raise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from pagedkv.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+
+logger = logging.getLogger("pagedkv.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from pagedkv.server._engine_api import EngineArgs
+
+    g = parser.add_argument_group("server options")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)",
+    )
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients use in requests (default: the model's name)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest accepted request body; larger gets 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    g.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to let in-flight requests finish on SIGTERM / Ctrl-C (default 5)",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (access log at info)",
+    )
+    EngineArgs.add_cli_args(parser, model_positional=True)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `serve` to the `pagedkv` command (entry point group `pagedkv.subcommands`)."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /metrics, ...). "
+        "No MODEL serves the embedded SmolLM2-135M-Instruct.",
+    )
+    add_serve_args(parser)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with signal handling that ends in a normal return (exit status 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handle(sig: int, frame: Any) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for requests
+            self.should_exit = True
+            logger.info("received %s: shutting down", signal.Signals(sig).name)
+
+        sigs = [signal.SIGINT, signal.SIGTERM]
+        previous = {s: signal.signal(s, handle) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _model_name(engine: Any, args: argparse.Namespace) -> str:
+    name = getattr(engine.model_config, "name", None)
+    if name:
+        return str(name)
+    if args.model:
+        return str(args.model)
+    return DEFAULT_MODEL_NAME
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from pagedkv.server._engine_api import AsyncLLMEngine, EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    logger.info("loading the engine (model: %s)", engine_args.model or "embedded default")
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    try:
+        names = args.served_model_name or [_model_name(engine, args)]
+        app = build_app(
+            engine,
+            served_model_names=names,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            model_root=engine_args.model or _model_name(engine, args),
+        )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+            lifespan="off",
+        )
+        server = _Server(config)
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        logger.info(
+            "pagedkv server for %s on http://%s:%d (OpenAI API at http://%s:%d/v1%s)",
+            ", ".join(names),
+            shown,
+            args.port,
+            shown,
+            args.port,
+            "; API key required" if args.api_key else "",
+        )
+        await server.serve()
+        if not server.started:
+            logger.error("the server did not start (is port %d free?)", args.port)
+            return 1
+        return 0
+    finally:
+        logger.info("shutting the engine down")
+        engine.shutdown()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The `serve` subcommand: blocks until SIGTERM / Ctrl-C, then returns 0."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    return asyncio.run(_serve(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedkv.server`: the same options as `pagedkv serve`."""
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.server", description="pagedkv serve")
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return run_serve(args)
+    except ValueError as exc:
+        print(f"pagedkv serve: error: {exc}", file=sys.stderr)
+        return 2
