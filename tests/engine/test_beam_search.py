@@ -183,6 +183,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "seed", "width", "max_new", "lp", "es"), CASES)
 def test_same_beams_as_transformers(kind, seed, width, max_new, lp, es):
     vocab = 48

@@ -92,9 +92,9 @@ def test_random_token_sequences_match_full_decode(tok):
             chunks.append(c)
             left -= c
         d, deltas, _, _ = _stream(tok, prompt, ids, params, chunks)
-        d.flush()
+        last = d.flush()
         assert d.text == _full(tok, ids, skip), (ids, skip)
-        assert "".join(deltas) + "" == d.text[: len("".join(deltas))]
+        assert "".join(deltas) + last == d.text
 
 
 def test_length_finish_flushes_an_incomplete_character(tok):
@@ -233,11 +233,10 @@ def test_stop_string_invariants(tok, text, stops, include, chunk):
     params = SamplingParams(stop=stops, include_stop_str_in_output=include, max_tokens=None)
     chunks = [chunk] * ((len(ids) + chunk - 1) // chunk) if ids else []
     d, deltas, visible, _ = _stream(tok, [], ids, params, chunks)
-    if not d.finished:
-        d.flush()
+    last = "" if d.finished else d.flush()
     final = d.text
     assert full.startswith(final)
-    assert "".join(deltas) + (d.visible_text[len("".join(deltas)) :]) == d.visible_text
+    assert "".join(deltas) + last == final == d.visible_text
     assert all(final.startswith(v) for v in visible)  # streamed text is never taken back
     if d.finish_reason == "stop":
         s = d.stop_reason

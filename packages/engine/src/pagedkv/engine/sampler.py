@@ -146,6 +146,48 @@ class _Pack:
         return list(torch.split(dev, [len(p) for p in parts]))
 
 
+@dataclass(slots=True)
+class _ParamInfo:
+    """What the batch builder needs from one SamplingParams, computed once per object."""
+
+    sampling_type: SamplingType
+    temperature: float  # 1.0 unless random
+    top_k: int  # V when off
+    top_p: float  # 1.0 when off
+    min_p: float  # 0.0 when off
+    top_k_or_p: bool
+    penalties: bool
+    logprobs: int | None
+    min_tokens: int
+    stop_ids: list[int]  # masked until min_tokens
+    beam_candidates: int
+
+    @classmethod
+    def of(cls, p: SamplingParams, vocab: int, eos: list[int]) -> _ParamInfo:
+        st = p.sampling_type
+        rand = st in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+        k = min(p.top_k, vocab) if (rand and p.top_k > 0) else vocab
+        top_p = float(p.top_p) if rand else 1.0
+        stop_ids = sorted(t for t in p.all_stop_token_ids(eos) if 0 <= t < vocab)
+        return cls(
+            sampling_type=st,
+            temperature=float(p.temperature) if rand else 1.0,
+            top_k=k,
+            top_p=top_p,
+            min_p=float(p.min_p) if rand else 0.0,
+            top_k_or_p=rand and (k < vocab or top_p < 1.0),
+            penalties=p.needs_penalties,
+            logprobs=p.logprobs,
+            min_tokens=p.min_tokens,
+            stop_ids=stop_ids,
+            beam_candidates=(
+                min(vocab, num_beam_candidates(p.beam_width, len(p.all_stop_token_ids(eos))))
+                if st == SamplingType.BEAM
+                else 0
+            ),
+        )
+
+
 class SamplingBatch:
     """Everything the sampler needs about this step's rows, as device tensors.
 
@@ -199,67 +241,75 @@ class SamplingBatch:
         slot = 0
         lp_index_of_row: dict[int, int] = {}
 
+        infos: dict[int, _ParamInfo] = {}  # rows often share one SamplingParams object
         for i, row in enumerate(self.rows):
             p = row.params
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"row {i}: params must be SamplingParams, got {type(p).__name__}")
-            if row.num_samples < 1:
-                raise ValueError(f"row {i}: num_samples must be >= 1, got {row.num_samples}")
-            st = p.sampling_type
-            if row.generator is not None and row.generator.device.type != device.type:
+            info = infos.get(id(p))
+            if info is None:
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(
+                        f"row {i}: params must be SamplingParams, got {type(p).__name__}"
+                    )
+                info = infos[id(p)] = _ParamInfo.of(p, V, eos)
+            n = row.num_samples
+            if n < 1:
+                raise ValueError(f"row {i}: num_samples must be >= 1, got {n}")
+            gen = row.generator
+            if gen is not None and gen.device.type != device.type:
                 raise ValueError(
-                    f"row {i}: generator is on {row.generator.device}, logits on {device}; "
+                    f"row {i}: generator is on {gen.device}, logits on {device}; "
                     "create it with make_generator(seed, device)"
                 )
-            if st == SamplingType.RANDOM_SEED and row.generator is None:
+            st = info.sampling_type
+            if st == SamplingType.RANDOM_SEED and gen is None:
                 raise ValueError(
                     f"row {i}: params.seed is set but the row has no generator; keep one per "
                     "sequence, made with make_generator(seed, device)"
                 )
-            if p.logprobs is not None:
+            if info.logprobs is not None:
                 lp_index_of_row[i] = len(lp_rows)
                 lp_rows.append(i)
-            if len(row.output_token_ids) < p.min_tokens:
-                for t in sorted(p.all_stop_token_ids(eos)):
-                    if 0 <= t < V:
-                        min_tok_rows.append(i)
-                        min_tok_ids.append(t)
-            if p.needs_penalties:
+            if info.min_tokens and len(row.output_token_ids) < info.min_tokens:
+                min_tok_rows.extend([i] * len(info.stop_ids))
+                min_tok_ids.extend(info.stop_ids)
+            if info.penalties:
                 pen_rows.append(i)
-            is_random = st in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
-            temps.append(float(p.temperature) if is_random else 1.0)
-            k = p.top_k if (is_random and p.top_k > 0) else V
-            top_ks.append(min(k, V))
-            top_ps.append(float(p.top_p) if is_random else 1.0)
-            min_ps.append(float(p.min_p) if is_random else 0.0)
-            if is_random and (k < V or p.top_p < 1.0):
+            temps.append(info.temperature)
+            top_ks.append(info.top_k)
+            top_ps.append(info.top_p)
+            if info.top_k_or_p:
                 topkp_rows.append(i)
-                if k < V:
-                    max_k = max(max_k, k)
-                if p.top_p < 1.0:
+                if info.top_k < V:
+                    max_k = max(max_k, info.top_k)
+                if info.top_p < 1.0:
                     top_k_only = False
-            if is_random and p.min_p > 0.0:
+            if info.min_p > 0.0:
                 min_p_rows.append(i)
+                min_ps.append(info.min_p)
 
             if st == SamplingType.BEAM:
-                if row.num_samples != 1:
+                if n != 1:
                     raise ValueError(f"row {i}: beam-search rows take num_samples=1")
                 beam_rows.append(i)
-                beam_ks.append(
-                    min(V, num_beam_candidates(p.beam_width, len(p.all_stop_token_ids(eos))))
-                )
+                beam_ks.append(info.beam_candidates)
                 self.row_slots.append((slot, 0))
                 continue
-            n = row.num_samples
             self.row_slots.append((slot, n))
             if st == SamplingType.GREEDY:
                 greedy_rows.append(i)
-                greedy_slot_rows.extend([len(greedy_rows) - 1] * n)
-                greedy_slot_pos.extend(range(slot, slot + n))
-            elif row.generator is not None:
-                seeded_blocks.append((len(seeded_slot_rows), n, row.generator))
+                if n == 1:
+                    greedy_slot_rows.append(len(greedy_rows) - 1)
+                    greedy_slot_pos.append(slot)
+                else:
+                    greedy_slot_rows.extend([len(greedy_rows) - 1] * n)
+                    greedy_slot_pos.extend(range(slot, slot + n))
+            elif gen is not None:
+                seeded_blocks.append((len(seeded_slot_rows), n, gen))
                 seeded_slot_rows.extend([i] * n)
                 seeded_slot_pos.extend(range(slot, slot + n))
+            elif n == 1:
+                unseeded_slot_rows.append(i)
+                unseeded_slot_pos.append(slot)
             else:
                 unseeded_slot_rows.extend([i] * n)
                 unseeded_slot_pos.extend(range(slot, slot + n))
@@ -332,7 +382,7 @@ class SamplingBatch:
         fi = {
             "temps": floats.add(temps),
             "top_p": floats.add([top_ps[i] for i in topkp_rows]),
-            "min_p": floats.add([min_ps[i] for i in min_p_rows]),
+            "min_p": floats.add(min_ps),
         }
         li = {
             "top_k": longs.add([top_ks[i] for i in topkp_rows]),
