@@ -1,0 +1,107 @@
+"""Paged attention as a model layer: the only place where model code touches the KV cache.
+
+Every model calls :class:`Attention` with this step's queries, keys and values. The layer first
+writes the new keys and values into the layer's paged caches (``reshape_and_cache``), then attends
+through the block tables. Because the write happens before the read inside the same layer, a
+prefill chunk sees its own tokens and a decode token sees itself, with no special cases.
+
+The runner builds one :class:`AttentionMetadata` per step and every layer shares it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import pagedattn_kernels
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and what each sequence attends to.
+
+    Tokens of all sequences are packed along one axis (``T`` tokens in total, ``B`` sequences);
+    sequence ``i`` owns rows ``cu_query_lens[i]:cu_query_lens[i + 1]``, which are the last
+    query tokens of its context of ``seq_lens[i]`` tokens.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1 = padding, skipped)
+    block_tables: torch.Tensor  # [B, max_blocks] int32: physical block ids per sequence
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    cu_query_lens: torch.Tensor  # [B + 1] int32: prefix sums of query lengths
+    max_query_len: int  # host-side hint, avoids a device sync
+    max_seq_len: int  # host-side hint, avoids a device sync
+    decode_only: bool  # every sequence has exactly one query token
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class Attention(nn.Module):
+    """Writes new K/V into the paged caches, then computes causal attention through them.
+
+    ``forward`` takes ``query [T, num_heads * head_dim]`` (or ``[T, num_heads, head_dim]``) and
+    ``key``/``value`` with ``num_kv_heads`` heads likewise, and returns ``[T, num_heads * head_dim]``.
+    Grouped-query attention comes from ``num_heads`` being a multiple of ``num_kv_heads``.
+    """
+
+    def __init__(
+        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None
+    ):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = float(scale)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        pagedattn_kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        if meta.decode_only:
+            out = pagedattn_kernels.paged_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale=self.scale,
+                max_seq_len=meta.max_seq_len,
+            )
+        else:
+            out = pagedattn_kernels.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.cu_query_lens,
+                scale=self.scale,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+            )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, scale={self.scale:.6g}"
+        )

@@ -1,0 +1,178 @@
+"""Layers shared by the model families: RMSNorm, rotary embedding, activations, weight copying.
+
+Numerics follow the Hugging Face implementations (norm statistics in float32, RoPE angles in
+float32) so that greedy outputs match transformers token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: statistics in float32, result cast back, then scaled."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Activation function by its Hugging Face config name."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- rotary embedding
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings as one dict with ``rope_type`` and ``rope_theta``, whatever the
+    transformers version (v5 ``rope_parameters`` or v4 ``rope_theta`` + ``rope_scaling``)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, Mapping) and params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32, CPU) for the config's RoPE type.
+
+    Supported: ``default``, ``linear`` (positions divided by ``factor``) and ``llama3``
+    (Llama 3.1's smooth per-frequency scaling). Other types raise ``ValueError``.
+    """
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_scale(inv_freq, params)
+    raise ValueError(
+        f"unsupported rope type {rope_type!r} in the model config; supported: default, linear, llama3"
+    )
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a linear blend
+    (in 1/wavelength) in between."""
+    factor = float(params["factor"])
+    low = float(params["low_freq_factor"])
+    high = float(params["high_freq_factor"])
+    original_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    blend = (original_len / wavelen - low) / (high - low)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    in_between = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+    return torch.where(in_between, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" (GPT-NeoX / Hugging Face) layout.
+
+    The angles are computed from the positions at each step (a [T, head_dim] product, cheap next
+    to the projections), so any position up to ``max_model_len`` works without a table.
+    """
+
+    def __init__(self, head_dim: int, inv_freq: torch.Tensor):
+        super().__init__()
+        self.head_dim = head_dim
+        self._host_inv_freq = inv_freq.detach().to("cpu", torch.float32)
+        self.register_buffer("inv_freq", self._host_inv_freq.clone(), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Refill ``inv_freq`` (in float32 whatever the model dtype) after the module was
+        materialized from the meta device or cast."""
+        self.inv_freq = self._host_inv_freq.to(self.inv_freq.device)
+
+    def apply_freq_factors(self, factors: torch.Tensor) -> None:
+        """Divide the frequencies by per-frequency factors (a GGUF ``rope_freqs`` tensor, which
+        is how llama.cpp stores Llama 3.1's RoPE scaling)."""
+        factors = factors.detach().to("cpu", torch.float32).reshape(-1)
+        if factors.numel() != self._host_inv_freq.numel():
+            raise ValueError(
+                f"rope_freqs has {factors.numel()} entries, expected {self._host_inv_freq.numel()}"
+            )
+        self._host_inv_freq = self._host_inv_freq / factors
+        self.init_buffers()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin [T, 1, head_dim] for broadcasting over heads."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by the angles ``cos``/``sin [T, 1, head_dim]``."""
+    return x * cos + rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------- weight loading
+
+
+def copy_weight(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """Copy a checkpoint tensor into a parameter (converting dtype and device), shape-checked."""
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}: "
+            "the checkpoint does not match its config"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], optional: set[str] = frozenset()) -> None:
+    """Raise ``ValueError`` listing parameters the checkpoint did not provide."""
+    missing = sorted(
+        n for n, _ in model.named_parameters() if n not in loaded and n not in optional
+    )
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of the model: {shown}")
