@@ -88,12 +88,13 @@ def _copy_tutorials() -> None:
     """Copy the committed notebooks into the source tree (docs/tutorials/) for rendering."""
     src = ROOT / "tutorials"
     dst = DOCS / "tutorials"
-    for nb in sorted(src.glob("*.ipynb")):
+    notebooks = sorted(src.glob("[0-9][0-9]_*.ipynb"))
+    for nb in notebooks:
         target = dst / nb.name
         if not target.exists() or target.read_bytes() != nb.read_bytes():
             shutil.copyfile(nb, target)
     for stale in dst.glob("*.ipynb"):
-        if not (src / stale.name).exists():
+        if stale.name not in {nb.name for nb in notebooks}:
             stale.unlink()
 
 

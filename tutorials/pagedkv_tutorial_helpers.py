@@ -701,3 +701,689 @@ class SchedulerWidget:
         from IPython.display import display
 
         display(self.widget)
+
+
+# --------------------------------------------------------------------------------------------
+# 05 scheduler, part 2: the simulator against contiguous-reservation baselines
+# --------------------------------------------------------------------------------------------
+
+POLICY_COLORS = {"paged": "#4c72b0", "oracle": "#55a868", "pow2": "#dd8452", "max": "#c44e52"}
+
+
+def simulate(
+    rates: Sequence[float],
+    *,
+    workload: str = "sharegpt",
+    num_requests: int = 200,
+    model: str = "opt-13b",
+    gpu: str = "a100-40gb",
+    kv_gb: float = 12.0,
+    seed: int = 0,
+) -> dict[float, dict[str, Any]]:
+    """Run ``pagedkv.scheduler.sim`` for every policy at every rate: rate -> policy -> result."""
+    from pagedkv.scheduler import sim
+    from pagedkv.scheduler.cost_model import get_gpu, get_model
+    from pagedkv.scheduler.workloads import make_requests
+
+    setup = sim.SimSetup(model=get_model(model), gpu=get_gpu(gpu), kv_bytes=int(kv_gb * (1 << 30)))
+    results: dict[float, dict[str, Any]] = {}
+    for rate in rates:
+        requests = make_requests(workload, rate, num_requests=num_requests, seed=seed)
+        results[rate] = {p: sim.run_policy(p, requests, setup, rate) for p in sim.POLICIES}
+    return results
+
+
+def simulation_table_html(results: dict[str, Any]) -> str:
+    """One rate's results: a row per policy."""
+    rows = "".join(
+        f'<tr data-policy="{p}"><td><b>{p}</b></td><td>{r.avg_batched_requests:.1f}</td>'
+        f"<td>{r.kv_utilization:.0%}</td><td>{r.preemptions}</td>"
+        f"<td>{r.normalized_latency_s:.3f}</td></tr>"
+        for p, r in results.items()
+    )
+    return (
+        '<table class="pagedkv-sim" style="text-align:right"><tr><th>policy</th>'
+        "<th>requests in a batch</th><th>KV utilization</th><th>preemptions</th>"
+        f"<th>normalized latency (s/token)</th></tr>{rows}</table>"
+    )
+
+
+def plot_simulation(results: dict[float, dict[str, Any]]):
+    """Normalized latency against request rate, per policy (the PagedAttention paper's plot)."""
+    import matplotlib.pyplot as plt
+
+    rates = sorted(results)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for policy, color in POLICY_COLORS.items():
+        axes[0].plot(
+            rates,
+            [results[r][policy].normalized_latency_s for r in rates],
+            "o-",
+            color=color,
+            label=policy,
+        )
+        axes[1].plot(
+            rates,
+            [results[r][policy].avg_batched_requests for r in rates],
+            "o-",
+            color=color,
+            label=policy,
+        )
+    axes[0].set_xlabel("request rate (req/s)")
+    axes[0].set_ylabel("normalized latency (s/token)")
+    axes[1].set_xlabel("request rate (req/s)")
+    axes[1].set_ylabel("requests in a batch")
+    axes[0].legend()
+    fig.tight_layout()
+    return fig
+
+
+class SimulationWidget:
+    """A request-rate slider: the simulator runs every policy at that rate and fills the table."""
+
+    def __init__(
+        self, rates: Sequence[float] = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), **sim_options: Any
+    ) -> None:
+        import ipywidgets as w
+
+        self.sim_options = sim_options
+        self.rate = w.SelectionSlider(options=list(rates), value=rates[0], description="req/s")
+        self.table = w.HTML()
+        self.results: dict[str, Any] = {}
+        self.rate.observe(self._on_change, names="value")
+        self._run()
+        self.widget = w.VBox([self.rate, self.table])
+
+    def _on_change(self, change: dict[str, Any]) -> None:
+        self._run()
+
+    def _run(self) -> None:
+        self.results = simulate([self.rate.value], **self.sim_options)[self.rate.value]
+        self.table.value = simulation_table_html(self.results)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+# --------------------------------------------------------------------------------------------
+# 02-04: the real engine on the embedded model, traced step by step
+# --------------------------------------------------------------------------------------------
+
+
+class EngineKit:
+    """Builds engines that share the model (and tokenizer) of one ``pagedkv.engine.LLM``.
+
+    Each tutorial compares engine settings (block size, KV budget, preemption mode, prefix
+    caching); loading SmolLM2 once keeps the notebooks fast. Every engine is a real
+    ``pagedkv.engine.LLMEngine`` with its own KV cache and scheduler.
+    """
+
+    def __init__(self, llm) -> None:
+        from pagedkv.engine import LLMEngine
+
+        self.llm = llm
+        self.base = llm.engine
+        self.device = self.base.device
+        self.options = {k: v for k, v in vars(self.base.args).items() if k not in ("device",)}
+        self.model = self.base.runner.model
+        self.tokenizer = self.base.get_tokenizer()
+        tokenizer = self.tokenizer
+
+        class _SharedTokenizerEngine(LLMEngine):
+            def _load_tokenizer(self):  # the one already loaded
+                return tokenizer
+
+        self._engine_cls = _SharedTokenizerEngine
+
+    def engine(self, **options: Any):
+        """A new engine with the base options overridden by ``options``, on the shared model."""
+        from pagedkv.engine import EngineArgs
+
+        args = EngineArgs(**{**self.options, **options, "device": self.device.type})
+        return self._engine_cls(args, model=self.model)
+
+    def tokens(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one engine step did, read from the scheduler and its block manager."""
+
+    step: int
+    num_batched_tokens: int
+    copies: list[tuple[int, int]]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    preempted: list[tuple[str, str]]
+    # request id -> seq id -> (block table, location "gpu"|"cpu", num tokens)
+    tables: dict[str, dict[int, tuple[list[int], str, int]]]
+    ref_counts: dict[int, int]  # GPU block -> ref count, for blocks in use
+    gpu_used: int
+    gpu_total: int
+    cpu_used: int
+    blocks_without_sharing: int
+    finished: list[str]
+    running: list[str]
+    swapped: list[str]
+    waiting: list[str]
+    elapsed_s: float
+
+    @property
+    def blocks_saved(self) -> int:
+        return self.blocks_without_sharing - self.gpu_used - self.cpu_used
+
+
+class EngineTrace:
+    """Runs an engine to completion one ``step()`` at a time and records every step.
+
+    The scheduler's output of each step (copy-on-write pairs, swaps, preemptions) is captured by
+    wrapping ``engine.scheduler.schedule`` for the duration of the run; the block tables and ref
+    counts come from ``engine.scheduler.block_manager`` after the step.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.records: list[StepRecord] = []
+        self.outputs: dict[str, Any] = {}
+
+    def run(self, requests: Sequence[tuple[str, Any, Any]], max_steps: int = 2000) -> EngineTrace:
+        """``requests``: (request id, prompt text or token ids, SamplingParams)."""
+        eng = self.engine
+        sched = eng.scheduler
+        for rid, prompt, params in requests:
+            eng.add_request(rid, prompt, params)
+        original = sched.schedule
+        captured: list[Any] = []
+
+        def schedule():
+            out = original()
+            captured.append(out)
+            return out
+
+        sched.schedule = schedule
+        try:
+            while eng.has_unfinished_requests():
+                if len(self.records) >= max_steps:
+                    raise RuntimeError(f"the engine did not finish within {max_steps} steps")
+                captured.clear()
+                t0 = time.perf_counter()
+                outs = eng.step()
+                elapsed = time.perf_counter() - t0
+                for o in outs:
+                    self.outputs[o.request_id] = o
+                out = captured[-1] if captured else None
+                self.records.append(self._record(len(self.records), out, outs, elapsed))
+        finally:
+            del sched.schedule  # back to the class's method
+        return self
+
+    def _record(self, step: int, out, outs, elapsed: float) -> StepRecord:
+        sched = self.engine.scheduler
+        bm = sched.block_manager
+        tables: dict[str, dict[int, tuple[list[int], str, int]]] = {}
+        refs: dict[int, int] = {}
+        without = 0
+        for group in (*sched.running, *sched.swapped):
+            for seq in group.seqs:
+                if seq.is_finished or not bm.has_seq(seq.seq_id):
+                    continue
+                table = bm.block_table(seq.seq_id)
+                where = bm.location(seq.seq_id)
+                tables.setdefault(group.request_id, {})[seq.seq_id] = (
+                    table,
+                    where,
+                    bm.num_slots(seq.seq_id),
+                )
+                without += len(table)
+                if where == "gpu":
+                    for b in table:
+                        refs[b] = bm.gpu_pool.ref_count(b)
+        kv = bm.stats()
+        return StepRecord(
+            step=step,
+            num_batched_tokens=out.num_batched_tokens if out is not None else 0,
+            copies=list(out.blocks_to_copy) if out is not None else [],
+            swap_out=list(out.blocks_to_swap_out) if out is not None else [],
+            swap_in=list(out.blocks_to_swap_in) if out is not None else [],
+            preempted=[(r, str(m)) for r, m in out.preempted] if out is not None else [],
+            tables=tables,
+            ref_counts=refs,
+            gpu_used=kv.gpu_used,
+            gpu_total=kv.gpu_total,
+            cpu_used=kv.cpu_used,
+            blocks_without_sharing=without,
+            finished=[o.request_id for o in outs if o.finished],
+            running=[g.request_id for g in sched.running],
+            swapped=[g.request_id for g in sched.swapped],
+            waiting=[g.request_id for g in sched.waiting],
+            elapsed_s=elapsed,
+        )
+
+    # -- summaries ---------------------------------------------------------------------------
+
+    @property
+    def total_s(self) -> float:
+        return sum(r.elapsed_s for r in self.records)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(len(r.preempted) for r in self.records)
+
+    def copy_steps(self) -> list[int]:
+        """Steps in which the scheduler asked for a copy-on-write."""
+        return [r.step for r in self.records if r.copies]
+
+    def swap_steps(self) -> list[int]:
+        return [r.step for r in self.records if r.swap_out or r.swap_in]
+
+
+def step_html(rec: StepRecord, block_size: int) -> str:
+    """One step: events, then each sequence's block table with the ref count of every block."""
+    events = []
+    if rec.preempted:
+        events.append("preempted: " + ", ".join(f"{r} ({m})" for r, m in rec.preempted))
+    if rec.swap_out:
+        events.append(f"swapped out {len(rec.swap_out)} blocks (GPU → CPU)")
+    if rec.swap_in:
+        events.append(f"swapped in {len(rec.swap_in)} blocks (CPU → GPU)")
+    if rec.copies:
+        events.append("copy-on-write: " + ", ".join(f"block {s} → {d}" for s, d in rec.copies))
+    if rec.finished:
+        events.append("finished: " + ", ".join(rec.finished))
+    event_html = (
+        "".join(f'<li class="pagedkv-event">{html.escape(e)}</li>' for e in events)
+        or "<li>decode</li>"
+    )
+    copied_to = {d for _, d in rec.copies}
+    rows = []
+    for rid, seqs in rec.tables.items():
+        for seq_id, (table, where, ntok) in seqs.items():
+            cells = []
+            for b in table:
+                ref = rec.ref_counts.get(b, 1) if where == "gpu" else 1
+                shared = ref > 1
+                color = "#dd8452" if shared else ("#8172b3" if where == "cpu" else "#4c72b0")
+                outline = "outline:2px solid #c44e52;" if b in copied_to and where == "gpu" else ""
+                cells.append(
+                    f'<td style="background:{color};color:#fff;padding:2px 5px;{outline}" '
+                    f'title="block {b} ({where}), ref count {ref}">{b}<sup>×{ref}</sup></td>'
+                )
+            rows.append(
+                f'<tr data-seq="{seq_id}"><th style="text-align:left;padding-right:6px">{html.escape(rid)} '
+                f"seq {seq_id}</th><td>{where}</td><td>{ntok} tok</td>{''.join(cells)}</tr>"
+            )
+    return (
+        f'<div class="pagedkv-step" data-step="{rec.step}"><b>step {rec.step}</b>: '
+        f"{rec.num_batched_tokens} tokens in the batch, GPU blocks used {rec.gpu_used}/{rec.gpu_total}"
+        f"{f', CPU blocks {rec.cpu_used}' if rec.cpu_used else ''}, "
+        f"{rec.blocks_without_sharing} without sharing (saved {rec.blocks_saved})"
+        f'<ul style="margin:2px 0">{event_html}</ul>'
+        '<table class="pagedkv-engine-tables" style="border-collapse:separate;border-spacing:2px">'
+        f"{''.join(rows)}</table>"
+        "<small>orange: shared block (ref count > 1), blue: private, purple: on the CPU, "
+        "red outline: the copy made by copy-on-write</small></div>"
+    )
+
+
+class TraceWidget:
+    """A step slider over a recorded :class:`EngineTrace` (with Play), showing :func:`step_html`."""
+
+    def __init__(self, trace: EngineTrace, *, start: int = 0, interval_ms: int = 500) -> None:
+        import ipywidgets as w
+
+        self.trace = trace
+        last = len(trace.records) - 1
+        self.play = w.Play(value=start, min=0, max=last, interval=interval_ms)
+        self.slider = w.IntSlider(value=start, min=0, max=last, description="step")
+        w.jslink((self.play, "value"), (self.slider, "value"))
+        self.view = w.HTML()
+        self.slider.observe(self._on_step, names="value")
+        self._show(start)
+        self.widget = w.VBox([w.HBox([self.play, self.slider]), self.view])
+
+    def _on_step(self, change: dict[str, Any]) -> None:
+        self._show(change["new"])
+
+    def _show(self, step: int) -> None:
+        self.record = self.trace.records[step]
+        self.view.value = step_html(self.record, self.trace.engine.args.block_size)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def plot_sharing(trace: EngineTrace, title: str = ""):
+    """KV blocks in use per step, against what the same sequences would use without sharing."""
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in trace.records]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot(
+        steps,
+        [r.blocks_without_sharing for r in trace.records],
+        label="without sharing",
+        color="#c44e52",
+    )
+    ax.plot(
+        steps,
+        [r.gpu_used + r.cpu_used for r in trace.records],
+        label="with sharing (in use)",
+        color="#4c72b0",
+    )
+    for s in trace.copy_steps():
+        ax.axvline(s, color="#dd8452", lw=0.8, ls=":")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV blocks")
+    ax.set_title(title or "dotted: a step with copy-on-write")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_states(trace: EngineTrace, request_ids: Sequence[str], title: str = ""):
+    """Per request and step: running, swapped out, waiting (incl. recompute), and preemptions."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = {"running": "#4c72b0", "swapped": "#8172b3", "waiting": "#dddddd"}
+    rows = {rid: k for k, rid in enumerate(request_ids)}
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.4 * len(rows)))
+    for rec in trace.records:
+        for state in ("running", "swapped", "waiting"):
+            for rid in getattr(rec, state):
+                if rid in rows:
+                    ax.broken_barh([(rec.step, 1)], (rows[rid] - 0.4, 0.8), color=colors[state])
+        for rid, _mode in rec.preempted:
+            if rid in rows:
+                ax.plot(rec.step + 0.5, rows[rid], "x", color="#c44e52", mew=2)
+    ax.set_yticks(range(len(rows)), list(rows))
+    ax.invert_yaxis()
+    ax.set_xlabel("engine step")
+    ax.set_title(title)
+    handles = [Patch(color=c, label=k) for k, c in colors.items()]
+    handles.append(plt.Line2D([], [], marker="x", color="#c44e52", ls="", label="preempted"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# 03 swapping: the cost of one preemption, swap against recompute, by block size
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PreemptionCost:
+    block_size: int
+    num_tokens: int
+    swap_out_s: float
+    swap_in_s: float
+    recompute_s: float
+
+    @property
+    def swap_s(self) -> float:
+        """Out and back in: what a swapped group costs."""
+        return self.swap_out_s + self.swap_in_s
+
+
+def measure_preemption_cost(
+    kit: EngineKit, block_size: int, num_tokens: int = 256, repeats: int = 3
+) -> PreemptionCost:
+    """Time the two ways to give back (and get back) the KV cache of ``num_tokens`` tokens.
+
+    Swap: ``pagedattn_kernels.swap_blocks`` moves the blocks of every layer's K and V cache (the
+    model's real shape) from the device cache to a host cache and back (pinned memory on a GPU).
+    Recompute: one prefill forward pass of the same tokens through the real engine
+    (a request with ``max_tokens=1``). Medians over ``repeats``.
+    """
+    import statistics
+
+    import torch
+
+    from pagedattn_kernels import swap_blocks
+    from pagedkv.engine import SamplingParams
+
+    mc = kit.base.model_config
+    dev = kit.device
+    nblocks = -(-num_tokens // block_size)
+    dtype = mc.dtype
+    shape = (mc.num_layers, 2, nblocks * 2, block_size, mc.num_kv_heads, mc.head_dim)
+    gpu_cache = torch.randn(shape, dtype=dtype, device=dev)
+    cpu_cache = torch.zeros(shape, dtype=dtype, pin_memory=dev.type == "cuda")
+    perm = torch.randperm(nblocks * 2)[:nblocks]  # scattered blocks, as after real allocation
+    out_map = torch.stack([perm, torch.arange(nblocks)], dim=1)
+    in_map = torch.stack([torch.arange(nblocks), perm], dim=1)
+    outs, ins = [], []
+    for _ in range(repeats):
+        _, t = timed(lambda: swap_blocks(gpu_cache, cpu_cache, out_map), dev)
+        outs.append(t)
+        _, t = timed(lambda: swap_blocks(cpu_cache, gpu_cache, in_map), dev)
+        ins.append(t)
+    engine = kit.engine(block_size=block_size)
+    prompt = [
+        int(x)
+        for x in torch.randint(
+            100, 20000, (num_tokens,), generator=torch.Generator().manual_seed(0)
+        )
+    ]
+    recs = []
+    for i in range(repeats):
+        engine.add_request(f"recompute-{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        synchronize(dev)
+        recs.append(time.perf_counter() - t0)
+    return PreemptionCost(
+        block_size,
+        num_tokens,
+        statistics.median(outs),
+        statistics.median(ins),
+        statistics.median(recs),
+    )
+
+
+def preemption_cost_html(costs: Sequence[PreemptionCost]) -> str:
+    rows = "".join(
+        f'<tr data-block-size="{c.block_size}"><td>{c.block_size}</td><td>{c.swap_out_s * 1e3:.2f}</td>'
+        f"<td>{c.swap_in_s * 1e3:.2f}</td><td>{c.swap_s * 1e3:.2f}</td><td>{c.recompute_s * 1e3:.1f}</td>"
+        f"<td><b>{'swap' if c.swap_s < c.recompute_s else 'recompute'}</b></td></tr>"
+        for c in costs
+    )
+    return (
+        '<table class="pagedkv-preemption-cost" style="text-align:right"><tr><th>block size</th>'
+        "<th>swap out (ms)</th><th>swap in (ms)</th><th>swap total (ms)</th>"
+        f"<th>recompute (ms)</th><th>cheaper</th></tr>{rows}</table>"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 04 prefix sharing: how many blocks k requests with one system prompt need
+# --------------------------------------------------------------------------------------------
+
+
+def prefix_sharing_blocks(
+    prompts: Sequence[Sequence[int]], *, block_size: int, enable_prefix_caching: bool
+) -> dict[str, int]:
+    """Allocate every prompt in a real ``kvblocks.BlockManager`` (as the scheduler does, one
+    after the other) and count the GPU blocks in use and the tokens found in the cache."""
+    from kvblocks import BlockManager
+
+    need = sum(-(-len(p) // block_size) for p in prompts)
+    bm = BlockManager(
+        block_size=block_size, num_gpu_blocks=need + 1, enable_prefix_caching=enable_prefix_caching
+    )
+    cached = 0
+    for i, p in enumerate(prompts):
+        hit = bm.allocate(i, list(p))
+        cached += hit
+        bm.grow(i, len(p) - hit)
+    st = bm.stats()
+    return {
+        "blocks": st.gpu_used,
+        "cached_tokens": cached,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "saved_by_sharing": st.blocks_saved_by_sharing,
+    }
+
+
+class PrefixSharingWidget:
+    """A slider for how many requests share the system prompt; blocks with and without caching."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], *, block_size: int = 16) -> None:
+        import ipywidgets as w
+
+        if not prompts:
+            raise ValueError("give at least one tokenized prompt")
+        self.prompts = [list(p) for p in prompts]
+        self.block_size = block_size
+        self.count = w.IntSlider(value=1, min=1, max=len(self.prompts), description="requests")
+        self.view = w.HTML()
+        self.count.observe(self._on_change, names="value")
+        self._run()
+        self.widget = w.VBox([self.count, self.view])
+
+    def _on_change(self, change: dict[str, Any]) -> None:
+        self._run()
+
+    def _run(self) -> None:
+        k = self.count.value
+        chosen = self.prompts[:k]
+        self.with_cache = prefix_sharing_blocks(
+            chosen, block_size=self.block_size, enable_prefix_caching=True
+        )
+        self.without = prefix_sharing_blocks(
+            chosen, block_size=self.block_size, enable_prefix_caching=False
+        )
+        w_, wo = self.with_cache, self.without
+
+        def bar(n: int, color: str) -> str:
+            return f'<span style="display:inline-block;background:{color};height:12px;width:{4 * n}px"></span>'
+
+        self.view.value = (
+            f'<table class="pagedkv-prefix"><tr><th></th><th>KV blocks</th><th></th>'
+            f"<th>prompt tokens taken from the cache</th></tr>"
+            f'<tr data-mode="without"><td>without prefix caching</td><td>{wo["blocks"]}</td>'
+            f"<td>{bar(wo['blocks'], '#c44e52')}</td><td>0 of {wo['prompt_tokens']}</td></tr>"
+            f'<tr data-mode="with"><td>with prefix caching</td><td>{w_["blocks"]}</td>'
+            f"<td>{bar(w_['blocks'], '#4c72b0')}</td><td>{w_['cached_tokens']} of {w_['prompt_tokens']}</td></tr>"
+            "</table>"
+        )
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+# --------------------------------------------------------------------------------------------
+# 06 serving: `pagedkv serve` in a subprocess
+# --------------------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    """``pagedkv serve`` on 127.0.0.1 in a subprocess: start, wait until healthy, stop.
+
+    The command is the ``pagedkv`` script of the running interpreter's environment, so the
+    notebook talks to the server of the packages it imports.
+    """
+
+    def __init__(self, *args: str, port: int | None = None, log_path: str | None = None) -> None:
+        import socket
+        import sys
+        from pathlib import Path
+
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        exe = Path(sys.executable).parent / "pagedkv"
+        self.command = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+        self.log_path = log_path
+        self.proc = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 600) -> ServerProcess:
+        import subprocess
+        import tempfile
+        import urllib.request
+
+        if self.log_path:
+            self._log = open(self.log_path, "w+")  # noqa: SIM115 (closed by stop())
+        else:
+            self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by stop())
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"pagedkv serve exited with {self.proc.returncode}:\n{self.logs()[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(
+                    f"pagedkv serve was not healthy within {timeout_s} s:\n{self.logs()[-3000:]}"
+                )
+            time.sleep(0.5)
+
+    def logs(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()
+
+    def stop(self, timeout_s: float = 30) -> int | None:
+        """SIGTERM (graceful shutdown), then SIGKILL if it does not exit in time."""
+        import subprocess
+
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def parse_metrics(text: str, prefixes: Sequence[str] = ("vllm:", "pagedkv")) -> dict[str, float]:
+    """Prometheus text format -> {"name{labels}": value} for the metrics with these prefixes."""
+    metrics: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or not line.startswith(tuple(prefixes)):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            metrics[name] = float(value)
+        except ValueError:
+            continue
+    return metrics

@@ -19,6 +19,7 @@ import importlib
 import json
 import math
 import pkgutil
+import re
 import sys
 import types
 from pathlib import Path
@@ -141,6 +142,78 @@ def compute_exclusions(package_names: list[str]) -> dict[str, list[str]]:
             if names:
                 exclude[module.__name__] = names
     return exclude
+
+
+# --------------------------------------------------------------------------------------------
+# Docstrings written in Markdown habits
+# --------------------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^(\s*)```\s*([\w+-]*)\s*$")
+_ITEM = re.compile(r"^(\s*)([-*+]|\d+[.)])\s+\S")
+_SINGLE_TICKS = re.compile(r"(?<![`:\w\\])`([^`\n]+?)`(?![`_\w])")
+
+
+def markdownish_to_rst(lines: list[str]) -> list[str]:
+    """Rewrite the Markdown habits of a docstring into the reST that autodoc parses.
+
+    The packages' docstrings are read by people first, and many use Markdown habits:
+    ```` ``` ```` code fences, single-backtick code, lists right under a sentence. In reST these
+    are a literal-string error, italics, and "unexpected indentation". This turns fences into
+    code blocks, single backticks into inline literals (roles such as :class:`X` and links stay
+    as they are), and puts the blank lines reST needs around lists. Valid reST passes unchanged.
+    """
+    out: list[str] = []
+    fence_indent: str | None = None
+    list_indent: int | None = None  # indentation of the current list's items, if in a list
+    literal_base: int | None = (
+        None  # indentation of a line ending in "::" (a literal block follows)
+    )
+    for line in lines:
+        if literal_base is not None and line.strip():
+            if len(line) - len(line.lstrip()) > literal_base:
+                out.append(line)  # inside a reST literal block: leave it exactly as written
+                continue
+            literal_base = None
+        if fence_indent is not None:  # inside a fence
+            if line.strip() == "```":
+                out.append("")
+                fence_indent = None
+            else:
+                body = line[len(fence_indent) :] if line.startswith(fence_indent) else line.lstrip()
+                out.append(fence_indent + "   " + body if body.strip() else "")
+            continue
+        m = _FENCE.match(line)
+        if m:
+            fence_indent = m.group(1)
+            if out and out[-1].strip():
+                out.append("")
+            out += [f"{fence_indent}.. code-block:: {m.group(2) or 'text'}", ""]
+            list_indent = None
+            continue
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip())
+        item = _ITEM.match(line)
+        if not stripped:
+            out.append(line)
+            continue
+        if item:
+            if list_indent is None and out and out[-1].strip():
+                out.append("")  # a list needs a blank line before it
+            list_indent = indent if list_indent is None else min(list_indent, indent)
+        elif list_indent is not None and indent <= list_indent:
+            if out and out[-1].strip():
+                out.append("")  # and one after it
+            list_indent = None
+        out.append(_SINGLE_TICKS.sub(r"``\1``", line))
+        if stripped.endswith("::"):
+            literal_base = indent
+    if fence_indent is not None:
+        out.append("")
+    return out
+
+
+def _on_process_docstring(app, what, name, obj, options, lines: list[str]) -> None:
+    lines[:] = markdownish_to_rst(lines)
 
 
 def _on_config_inited(app: Sphinx, config: Config) -> None:
@@ -445,5 +518,7 @@ class PerformanceDirective(SphinxDirective):
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_config_value("pagedkv_packages", [], "env", types=[list])
     app.connect("config-inited", _on_config_inited)
+    # before napoleon (priority 500), so its sections see clean reST
+    app.connect("autodoc-process-docstring", _on_process_docstring, priority=400)
     app.add_directive("pagedkv-performance", PerformanceDirective)
     return {"version": "0.1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -165,3 +165,49 @@ def test_performance_extension_renders_results(tmp_path: Path):
     plots = sorted(p.name for p in (out / "_images").glob("*.png"))
     assert any("sweep" in p for p in plots), plots  # normalized latency against request rate
     assert raw.count("<table") >= 4
+
+
+def test_markdown_habits_in_docstrings_become_rest():
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        from pagedkv_docs import markdownish_to_rst
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    doc = [
+        "`Engine`: one step, see :class:`Foo` and `docs <https://x>`_.",
+        "```python",
+        "x = step()  # `not touched`",
+        "```",
+        "Measured:",
+        "- one",
+        "  continued",
+        "- two",
+        "After the list.",
+        "",
+        "Example::",
+        "",
+        "    - kept `as is`",
+        "Done with ``literal``.",
+    ]
+    assert markdownish_to_rst(doc) == [
+        "``Engine``: one step, see :class:`Foo` and `docs <https://x>`_.",
+        "",
+        ".. code-block:: python",
+        "",
+        "   x = step()  # `not touched`",
+        "",
+        "Measured:",
+        "",
+        "- one",
+        "  continued",
+        "- two",
+        "",
+        "After the list.",
+        "",
+        "Example::",
+        "",
+        "    - kept `as is`",
+        "Done with ``literal``.",
+    ]
+    valid = ["A :func:`f` and ``g``.", "", "- a", "- b", "", "Text::", "", "    code"]
+    assert markdownish_to_rst(valid) == valid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -36,7 +37,13 @@ def execute(path, jupyter_env: dict[str, str]) -> tuple[nbformat.NotebookNode, f
         resources={"metadata": {"path": str(TUTORIALS)}},
     )
     t0 = time.perf_counter()
-    client.execute()
+    try:
+        client.execute()
+    finally:
+        keep = os.environ.get("PAGEDKV_NOTEBOOK_OUT")  # keep the executed copy, for a look
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, Path(keep) / path.name)
     return nb, time.perf_counter() - t0
 
 

@@ -151,3 +151,78 @@ def test_scheduler_refused_setting_shows_the_message(sched_widget):
     assert "pagedkv-error" in w.summary.value
     w.chunked.value = True
     assert w.error is None and w.timeline is not None
+
+
+def test_simulation_rate_slider_reruns_every_policy(helpers):
+    w = helpers.SimulationWidget(rates=(1.0, 6.0), num_requests=60)
+    low = {p: r.avg_batched_requests for p, r in w.results.items()}
+    before = w.table.value
+    assert set(low) == {"paged", "oracle", "pow2", "max"}
+    w.rate.value = 6.0
+    high = {p: r.avg_batched_requests for p, r in w.results.items()}
+    assert all(r.rate == 6.0 for r in w.results.values())
+    assert w.table.value != before
+    assert high["paged"] > low["paged"]  # more arrivals per second, bigger batches
+    for p, r in w.results.items():
+        assert (
+            f'data-policy="{p}"><td><b>{p}</b></td><td>{r.avg_batched_requests:.1f}</td>'
+            in w.table.value
+        )
+
+
+def test_prefix_sharing_slider_counts_blocks(helpers):
+    system = list(range(1000, 1040))  # 40 shared tokens: 2 full blocks of 16 and 8 more
+    prompts = [[*system, i, i + 1, i + 2] for i in range(5)]  # 43 tokens each
+    w = helpers.PrefixSharingWidget(prompts, block_size=16)
+    assert (w.with_cache["blocks"], w.without["blocks"]) == (3, 3)
+    for k in (2, 5, 3):
+        w.count.value = k
+        # without caching every prompt takes ceil(43 / 16) = 3 blocks; with it the 2 full
+        # system-prompt blocks are shared and each request adds its own last block
+        assert w.without["blocks"] == 3 * k
+        assert w.with_cache["blocks"] == 2 + k
+        assert w.with_cache["cached_tokens"] == 32 * (k - 1)
+        assert f"<td>with prefix caching</td><td>{2 + k}</td>" in w.view.value
+        assert f"<td>without prefix caching</td><td>{3 * k}</td>" in w.view.value
+    with pytest.raises(ValueError, match="at least one"):
+        helpers.PrefixSharingWidget([])
+
+
+@pytest.fixture(scope="module")
+def kit(helpers):
+    """The real engine on the embedded model (loaded once for these tests)."""
+    torch = pytest.importorskip("torch")
+    engine = pytest.importorskip("pagedkv.engine")
+    llm = engine.LLM(
+        device="cpu", block_size=8, num_gpu_blocks_override=64, num_cpu_blocks_override=16
+    )
+    return helpers.EngineKit(llm), torch
+
+
+@pytest.mark.slow
+def test_trace_widget_shows_the_copy_on_write_step(helpers, kit):
+    kit, _ = kit
+    from pagedkv.engine import SamplingParams
+
+    prompt = kit.tokens("Write one sentence about a robot who learns to paint. The robot")
+    assert len(prompt) % 8 != 0  # the last prompt block is partly filled, so it will be copied
+    params = SamplingParams(n=4, temperature=0.9, max_tokens=4, seed=1)
+    trace = helpers.EngineTrace(kit.engine()).run([("par", prompt, params)])
+    full = len(prompt) // 8
+    first = trace.records[0]
+    assert (
+        sum(len(t) for t, _, _ in first.tables["par"].values()) // len(first.tables["par"])
+        == full + 1
+    )
+    (step,) = trace.copy_steps()[:1]
+    rec = trace.records[step]
+    assert len(rec.copies) == 3  # three of the four forked sequences copy; the last one owns it
+    w = helpers.TraceWidget(trace)
+    before = w.view.value
+    w.slider.value = step
+    assert w.view.value != before and w.record is rec
+    for src, dst in rec.copies:
+        assert f"block {src} → {dst}" in w.view.value
+    # the full prompt blocks stay shared by all four sequences
+    assert w.view.value.count("<sup>×4</sup>") == 4 * full
+    assert rec.gpu_used == full + 4 and rec.blocks_without_sharing == 4 * (full + 1)
