@@ -1,0 +1,597 @@
+"""Trace-driven simulator: this scheduler (paged) against contiguous-reservation baselines.
+
+``python -m pagedkv.scheduler.sim`` replays Poisson arrivals of a workload through
+
+* ``paged``: the real :class:`~pagedkv.scheduler.Scheduler` over a real
+  :class:`kvblocks.BlockManager` (blocks on demand, preemption by recompute/swap);
+* ``oracle``, ``pow2``, ``max``: Orca-like iteration-level FCFS schedulers that reserve each
+  request's KV contiguously up front, for exactly ``prompt + output`` tokens, for
+  ``prompt + output rounded up to a power of two``, or for the maximum sequence length (2048).
+  They admit in arrival order while their reservations fit (external fragmentation is not
+  modelled, which favours them), never preempt, and share the token budget and chunked prefill
+  rule of the paged scheduler.
+
+Every policy sees the same requests, the same KV memory (model config x KV budget: OPT-13B with
+12 GiB = 800 KiB per token = 15.7k token slots, the PagedAttention paper's single-GPU setup) and
+the same iteration cost model (:mod:`pagedkv.scheduler.cost_model`). Reported per policy and
+rate: the average number of requests in a batch and the KV utilization (slots holding data /
+slots allocated or reserved), both time-weighted over the iterations that start before the last
+arrival (the steady state, not the drain), preemptions, normalized latency (mean of end-to-end
+latency / output length) and throughput. The output ends with one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pagedkv.scheduler.__about__ import __version__
+from pagedkv.scheduler.config import SchedulerConfig
+from pagedkv.scheduler.cost_model import (
+    CostModel,
+    GPUSpec,
+    ModelSpec,
+    get_gpu,
+    get_model,
+    gpu_names,
+    model_names,
+)
+from pagedkv.scheduler.request import RequestParams
+from pagedkv.scheduler.scheduler import Scheduler
+from pagedkv.scheduler.workloads import RequestSpec, make_requests, workload_names
+
+__all__ = [
+    "POLICIES",
+    "PolicyResult",
+    "SimSetup",
+    "main",
+    "run_policy",
+    "simulate_paged",
+    "simulate_reservation",
+]
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("paged", "oracle", "pow2", "max")
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class SimSetup:
+    """Model, hardware, memory and batch limits shared by every policy."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    kv_bytes: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    swap_bytes: int = 0
+    preemption_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_gpu_blocks < 1:
+            raise ValueError(
+                f"a KV budget of {self.kv_bytes} bytes holds no block of {self.block_size} tokens "
+                f"of {self.model.name} ({self.model.kv_bytes_per_token} bytes per token)"
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.kv_bytes // self.model.kv_bytes_per_token // self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        """KV token slots (whole blocks), the same for every policy."""
+        return self.num_gpu_blocks * self.block_size
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.swap_bytes // self.model.kv_bytes_per_token // self.block_size
+
+    @property
+    def cost(self) -> CostModel:
+        return CostModel(self.model, self.gpu)
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    policy: str
+    rate: float
+    num_requests: int
+    num_finished: int = 0
+    avg_batched_requests: float = 0.0
+    kv_utilization: float = 0.0
+    preemptions: int = 0
+    normalized_latency_s: float = 0.0
+    mean_latency_s: float = 0.0
+    throughput_req_s: float = 0.0
+    throughput_tok_s: float = 0.0
+    makespan_s: float = 0.0
+    iterations: int = 0
+    wall_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Meter:
+    """Time-weighted batch size and KV utilization over the steady-state window."""
+
+    window_end: float
+    time: float = 0.0
+    batched: float = 0.0
+    data: float = 0.0
+    allocated: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    norm_latencies: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+    def sample(self, t: float, dt: float, batched: int, data: int, allocated: int) -> None:
+        if t < self.window_end:
+            self.time += dt
+            self.batched += dt * batched
+            self.data += dt * data
+            self.allocated += dt * allocated
+
+    def done(self, latency: float, output_len: int) -> None:
+        self.latencies.append(latency)
+        self.norm_latencies.append(latency / output_len)
+        self.output_tokens += output_len
+
+    def fill(self, res: PolicyResult, makespan: float) -> PolicyResult:
+        n = len(self.latencies)
+        res.num_finished = n
+        res.avg_batched_requests = self.batched / self.time if self.time else 0.0
+        res.kv_utilization = self.data / self.allocated if self.allocated else 0.0
+        res.normalized_latency_s = sum(self.norm_latencies) / n if n else float("nan")
+        res.mean_latency_s = sum(self.latencies) / n if n else float("nan")
+        res.makespan_s = makespan
+        res.throughput_req_s = n / makespan if makespan else 0.0
+        res.throughput_tok_s = self.output_tokens / makespan if makespan else 0.0
+        return res
+
+
+def simulate_paged(requests: list[RequestSpec], setup: SimSetup, rate: float) -> PolicyResult:
+    """Replay ``requests`` through the real scheduler and block manager."""
+    wall = time.perf_counter()
+    cfg = SchedulerConfig(
+        block_size=setup.block_size,
+        num_gpu_blocks=setup.num_gpu_blocks,
+        num_cpu_blocks=setup.num_cpu_blocks,
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_model_len=setup.max_model_len,
+        preemption_mode=setup.preemption_mode,
+    )
+    sched = Scheduler(cfg)
+    cost = setup.cost
+    block_bytes = setup.block_size * setup.model.kv_bytes_per_token
+    used_blocks = sched.block_manager.gpu_pool
+    bs = setup.block_size
+    meter = _Meter(window_end=requests[-1].arrival_time if requests else 0.0)
+    res = PolicyResult("paged", rate, len(requests))
+    specs: dict[str, RequestSpec] = {}
+    token = [1]
+    t = 0.0
+    nxt = 0
+    n = len(requests)
+    while nxt < n or sched.has_unfinished():
+        while nxt < n and requests[nxt].arrival_time <= t:
+            r = requests[nxt]
+            rid = str(nxt)
+            specs[rid] = r
+            sched.add_request(
+                rid,
+                [1] * r.prompt_len,
+                RequestParams(max_tokens=r.output_len, ignore_eos=True),
+                arrival_time=r.arrival_time,
+            )
+            nxt += 1
+        out = sched.schedule()
+        for g in out.finished:  # rejected (longer than the cache): counted as not finished
+            logger.warning("%s", g.reason_text)
+        if out.is_empty:
+            sched.update(out, {})
+            if nxt < n:
+                t = max(t, requests[nxt].arrival_time)
+                continue
+            if sched.has_unfinished():
+                raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
+            break
+        ctx = 0
+        for s in out.scheduled:
+            ctx += s.start + s.num_tokens
+        moved = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        dt = cost.iteration_time(out.num_batched_tokens, ctx, moved * block_bytes)
+        data = 0
+        for g in sched._running:
+            for s in g.seqs:
+                data += s.num_computed_tokens
+        meter.sample(t, dt, len(out.scheduled), data, used_blocks.num_used * bs)
+        t += dt
+        res.iterations += 1
+        result = sched.update(out, {s.seq_id: token for s in out.scheduled if s.do_sample})
+        for g in result.finished_groups:
+            meter.done(t - g.arrival_time, specs[g.request_id].output_len)
+    res.preemptions = sched.num_preemptions
+    meter.fill(res, t)
+    res.wall_s = time.perf_counter() - wall
+    return res
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def simulate_reservation(
+    requests: list[RequestSpec], setup: SimSetup, policy: str, rate: float
+) -> PolicyResult:
+    """Orca-like FCFS with contiguous KV reservations made at admission (no preemption)."""
+    wall = time.perf_counter()
+    max_len = setup.max_model_len
+    if policy == "max":
+
+        def reserve(r: RequestSpec) -> int:
+            return max_len
+    elif policy == "pow2":
+
+        def reserve(r: RequestSpec) -> int:
+            return min(max_len, r.prompt_len + _pow2(r.output_len))
+    elif policy == "oracle":
+
+        def reserve(r: RequestSpec) -> int:
+            return r.prompt_len + r.output_len
+    else:
+        raise ValueError(f"unknown reservation policy {policy!r}; use oracle, pow2 or max")
+    capacity = setup.num_slots
+    cost = setup.cost
+    budget_max = setup.max_num_batched_tokens
+    max_seqs = setup.max_num_seqs
+    meter = _Meter(window_end=requests[-1].arrival_time if requests else 0.0)
+    res = PolicyResult(policy, rate, len(requests))
+    waiting: deque[int] = deque()
+    # running entries: [request index, reservation, computed tokens, known tokens, generated]
+    running: list[list[int]] = []
+    reserved = 0
+    t = 0.0
+    nxt = 0
+    n = len(requests)
+    while nxt < n or waiting or running:
+        while nxt < n and requests[nxt].arrival_time <= t:
+            r = requests[nxt]
+            if reserve(r) > capacity:
+                logger.warning("request %d can never fit a reservation of %d", nxt, reserve(r))
+            else:
+                waiting.append(nxt)
+            nxt += 1
+        while waiting and len(running) < max_seqs:
+            r = requests[waiting[0]]
+            need = reserve(r)
+            if reserved + need > capacity:
+                break
+            reserved += need
+            running.append([waiting.popleft(), need, 0, r.prompt_len, 0])
+        if not running:
+            if nxt < n:
+                t = max(t, requests[nxt].arrival_time)
+                continue
+            break
+        budget = budget_max
+        ctx = 0
+        sched: list[tuple[list[int], int]] = []
+        for e in running:
+            need = e[3] - e[2]
+            k = need if need <= budget else budget
+            if k <= 0:
+                break
+            sched.append((e, k))
+            budget -= k
+            ctx += e[2] + k
+            e[2] += k
+        tokens = budget_max - budget
+        dt = cost.iteration_time(tokens, ctx)
+        data = 0
+        for e in running:
+            data += e[2]
+        meter.sample(t, dt, len(sched), data, reserved)
+        t += dt
+        res.iterations += 1
+        finished = False
+        for e, _k in sched:
+            if e[2] == e[3]:  # reached the end of the known tokens: one token sampled
+                e[4] += 1
+                e[3] += 1
+                r = requests[e[0]]
+                if e[4] >= r.output_len:
+                    meter.done(t - r.arrival_time, r.output_len)
+                    reserved -= e[1]
+                    e[0] = -1
+                    finished = True
+        if finished:
+            running = [e for e in running if e[0] >= 0]
+    meter.fill(res, t)
+    res.wall_s = time.perf_counter() - wall
+    return res
+
+
+def run_policy(
+    policy: str, requests: list[RequestSpec], setup: SimSetup, rate: float
+) -> PolicyResult:
+    if policy == "paged":
+        return simulate_paged(requests, setup, rate)
+    return simulate_reservation(requests, setup, policy, rate)
+
+
+# ===================================================================== CLI
+def _floats(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not vals or any(not v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return vals
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m pagedkv.scheduler.sim",
+        description="Simulate paged scheduling against contiguous-reservation baselines.",
+    )
+    ap.add_argument(
+        "--workload",
+        default="sharegpt",
+        help=f"{' | '.join(workload_names())} or a .json/.jsonl file of lengths (default sharegpt)",
+    )
+    ap.add_argument("--model", default="opt-13b", choices=model_names())
+    ap.add_argument("--gpu", default="a100-40gb", choices=gpu_names())
+    ap.add_argument("--kv-gb", type=float, default=12.0, help="KV cache size in GiB (default 12)")
+    ap.add_argument("--swap-gb", type=float, default=0.0, help="CPU swap space in GiB (default 0)")
+    ap.add_argument(
+        "--rates",
+        type=_floats,
+        default=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        help="request rates (req/s), comma-separated",
+    )
+    ap.add_argument(
+        "--main-rate",
+        type=float,
+        default=None,
+        help="rate whose batch size and KV utilization are reported (default: the highest)",
+    )
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 600)")
+    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    ap.add_argument("--plot", default=None, help="save a PNG plot here (needs matplotlib)")
+    ap.add_argument("--output", default=None, help="also write the JSON result to this file")
+    ap.add_argument("--progress", action="store_true", help="log each run as it finishes")
+    return ap
+
+
+def plot(result: dict, path: str | Path) -> bool:
+    """Normalized latency against request rate, and the batch size at the main rate."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+        return False
+    policies = [p for p in POLICIES if p in result]
+    styles = {"paged": "o-", "oracle": "s--", "pow2": "^--", "max": "v--"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    top = 0.0
+    for p in policies:
+        curve = result[p]["curve"]
+        xs = [c["rate"] for c in curve]
+        ys = [c["normalized_latency_s"] for c in curve]
+        ax1.plot(xs, ys, styles.get(p, "o-"), label=p)
+        top = max(top, min(ys) * 8)
+    ax1.set_xlabel("request rate (req/s)")
+    ax1.set_ylabel("normalized latency (s/token)")
+    ax1.set_ylim(0, max(top, 0.1))
+    ax1.set_title("normalized latency vs rate")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    vals = [result[p]["avg_batched_requests"] for p in policies]
+    bars = ax2.bar(policies, vals, color=["C0", "C1", "C2", "C3"][: len(policies)])
+    for b, p in zip(bars, policies):
+        ax2.annotate(
+            f"{result[p]['avg_batched_requests']:.1f}\nKV util {result[p]['kv_utilization']:.0%}",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+    ax2.set_ylabel("average batched requests")
+    ax2.set_ylim(0, max(vals) * 1.3 if vals else 1)
+    ax2.set_title(f"at {result['main_rate']} req/s")
+    s = result["setup"]
+    fig.suptitle(
+        f"{s['workload']} on {s['model']} ({s['kv_gb']:g} GiB KV = {s['num_slots']} token slots), "
+        f"{s['gpu']} cost model"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    ap = _parser()
+    args = ap.parse_args(args_list)
+    logging.basicConfig(
+        level=logging.INFO if args.progress else logging.WARNING, format="%(message)s"
+    )
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        ap.error(f"--policies: unknown {bad}; choose from {','.join(POLICIES)}")
+    if args.num_requests is None and args.duration is None:
+        args.num_requests = 600
+    if args.num_requests is not None and args.num_requests < 1:
+        ap.error("--num-requests must be >= 1")
+    if args.duration is not None and not args.duration > 0:
+        ap.error("--duration must be > 0")
+    if not args.kv_gb > 0 or args.swap_gb < 0:
+        ap.error("--kv-gb must be > 0 and --swap-gb >= 0")
+    rates = sorted(set(args.rates))
+    main_rate = args.main_rate if args.main_rate is not None else rates[-1]
+    if main_rate not in rates:
+        rates = sorted({*rates, main_rate})
+    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    try:
+        setup = SimSetup(
+            model,
+            gpu,
+            int(args.kv_gb * _GIB),
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            swap_bytes=int(args.swap_gb * _GIB),
+            preemption_mode=args.preemption_mode,
+        )
+        # Validate the scheduler limits once, before any long run.
+        SchedulerConfig(
+            block_size=setup.block_size,
+            num_gpu_blocks=setup.num_gpu_blocks,
+            num_cpu_blocks=setup.num_cpu_blocks,
+            max_num_seqs=setup.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=setup.max_model_len,
+            preemption_mode=setup.preemption_mode,
+        )
+        traces = {
+            r: make_requests(
+                args.workload,
+                r,
+                num_requests=args.num_requests,
+                duration=args.duration,
+                seed=args.seed,
+                max_total=setup.max_model_len,
+            )
+            for r in rates
+        }
+    except ValueError as e:
+        ap.error(str(e))
+    wall = time.perf_counter()
+    results: dict[str, dict[float, PolicyResult]] = {p: {} for p in policies}
+    for r in rates:
+        for p in policies:
+            res = run_policy(p, traces[r], setup, r)
+            results[p][r] = res
+            logger.info(
+                "rate %.2f %-6s batched %.1f util %.3f norm.latency %.3f s/token (%.1f s)",
+                r,
+                p,
+                res.avg_batched_requests,
+                res.kv_utilization,
+                res.normalized_latency_s,
+                res.wall_s,
+            )
+    wall = time.perf_counter() - wall
+
+    some = traces[main_rate]
+    mean_in = sum(q.prompt_len for q in some) / max(1, len(some))
+    mean_out = sum(q.output_len for q in some) / max(1, len(some))
+    print(
+        f"pagedkv.scheduler {__version__} simulator: workload {args.workload} "
+        f"(this trace: mean input {mean_in:.0f}, output {mean_out:.0f} tokens), model {model.name} "
+        f"({model.kv_bytes_per_token // 1024} KiB KV/token), {args.kv_gb:g} GiB KV = "
+        f"{setup.num_slots} token slots ({setup.num_gpu_blocks} blocks of {setup.block_size}), "
+        f"cost model {gpu.name}; {len(some)} requests per rate, seed {args.seed}"
+    )
+    hdr = (
+        f"{'rate':>6} {'policy':<7}{'batched':>9}{'KV util':>9}{'preempt':>9}"
+        f"{'norm.lat s/tok':>16}{'latency s':>11}{'req/s':>8}{'tok/s':>9}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rates:
+        for p in policies:
+            x = results[p][r]
+            print(
+                f"{r:>6.2f} {p:<7}{x.avg_batched_requests:>9.1f}{x.kv_utilization:>9.1%}"
+                f"{x.preemptions:>9d}{x.normalized_latency_s:>16.3f}{x.mean_latency_s:>11.1f}"
+                f"{x.throughput_req_s:>8.2f}{x.throughput_tok_s:>9.0f}"
+            )
+    out: dict = {
+        "setup": {
+            "workload": str(args.workload),
+            "model": model.name,
+            "gpu": gpu.name,
+            "kv_gb": args.kv_gb,
+            "kv_bytes_per_token": model.kv_bytes_per_token,
+            "num_slots": setup.num_slots,
+            "block_size": setup.block_size,
+            "max_num_seqs": setup.max_num_seqs,
+            "max_num_batched_tokens": setup.max_num_batched_tokens,
+            "max_model_len": setup.max_model_len,
+            "num_requests_per_rate": len(some),
+            "trace_mean_input": round(mean_in, 1),
+            "trace_mean_output": round(mean_out, 1),
+            "seed": args.seed,
+            "cost_model": {
+                "formula": "overhead + max(W/B, 2*P*T/F) + kv_bytes_per_token*C/B",
+                **asdict(gpu),
+                "num_params": model.num_params,
+            },
+            "scheduler_version": __version__,
+        },
+        "main_rate": main_rate,
+    }
+    for p in policies:
+        m = results[p][main_rate]
+        out[p] = {
+            "avg_batched_requests": round(m.avg_batched_requests, 2),
+            "kv_utilization": round(m.kv_utilization, 4),
+            "preemptions": m.preemptions,
+            "normalized_latency_s": round(m.normalized_latency_s, 4),
+            "throughput_req_s": round(m.throughput_req_s, 3),
+            "curve": [
+                {
+                    "rate": r,
+                    "avg_batched_requests": round(x.avg_batched_requests, 2),
+                    "kv_utilization": round(x.kv_utilization, 4),
+                    "preemptions": x.preemptions,
+                    "normalized_latency_s": round(x.normalized_latency_s, 4),
+                    "throughput_req_s": round(x.throughput_req_s, 3),
+                }
+                for r in rates
+                for x in [results[p][r]]
+            ],
+        }
+    out["command"] = shlex.join(["python", "-m", "pagedkv.scheduler.sim", *args_list])
+    out["sim_wall_s"] = round(wall, 1)
+    if args.plot and plot(out, args.plot):
+        print(f"plot written to {args.plot}")
+    line = json.dumps(out)
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"JSON written to {args.output}")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""Request traces for the simulator: Poisson arrivals and input/output lengths.
+
+Why synthetic: the PagedAttention paper's traces (ShareGPT, Alpaca) cannot be downloaded at run
+time, and what matters for memory is the length distribution. The named workloads draw lengths
+from log-normal distributions whose means (after the cap) match the paper's: ShareGPT-like
+(conversations: long, long-tailed) has mean input 161 and output 338 tokens, Alpaca-like
+(instructions: short) mean input 19 and output 58. Pairs whose total exceeds the model's maximum
+length (2048) are drawn again. A JSON or JSONL file of real lengths can be used instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+__all__ = [
+    "LengthDistribution",
+    "RequestSpec",
+    "get_workload",
+    "load_lengths",
+    "make_requests",
+    "poisson_arrivals",
+    "workload_names",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One simulated request: when it arrives and how long its prompt and answer are."""
+
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDistribution:
+    """Log-normal input and output lengths, redrawn while ``input + output > max_total``.
+
+    ``sigma_*`` set the spread (long tail); ``mu`` is fitted so that the mean after redrawing is
+    ``mean_*`` (see :meth:`fitted`).
+    """
+
+    name: str
+    mean_input: float
+    mean_output: float
+    sigma_input: float
+    sigma_output: float
+    max_total: int = 2048
+    mu_input: float | None = None
+    mu_output: float | None = None
+
+    def _draw(self, rng: random.Random, mu_in: float, mu_out: float) -> tuple[int, int]:
+        while True:
+            a = max(1, round(rng.lognormvariate(mu_in, self.sigma_input)))
+            b = max(1, round(rng.lognormvariate(mu_out, self.sigma_output)))
+            if a + b <= self.max_total:
+                return a, b
+
+    def fitted(self, grid: int = 2000, rounds: int = 6) -> LengthDistribution:
+        """Fit ``mu`` so that the means after redrawing hit the targets.
+
+        Deterministic: the two log-normals are discretised at ``grid`` quantiles each and the
+        truncated means computed exactly on that grid (sorted prefix sums), a few fixed-point
+        rounds. Takes milliseconds.
+        """
+        inv = NormalDist().inv_cdf
+        z = [inv((i + 0.5) / grid) for i in range(grid)]
+        mu_in = math.log(self.mean_input) - self.sigma_input**2 / 2
+        mu_out = math.log(self.mean_output) - self.sigma_output**2 / 2
+        for _ in range(rounds):
+            xs = [math.exp(mu_in + self.sigma_input * q) for q in z]
+            ys = [math.exp(mu_out + self.sigma_output * q) for q in z]  # ascending
+            prefix = [0.0]
+            for y in ys:
+                prefix.append(prefix[-1] + y)
+            count = sum_x = sum_y = 0.0
+            for x in xs:
+                k = bisect_right(ys, self.max_total - x)
+                count += k
+                sum_x += x * k
+                sum_y += prefix[k]
+            mu_in += math.log(self.mean_input / (sum_x / count))
+            mu_out += math.log(self.mean_output / (sum_y / count))
+        return LengthDistribution(
+            self.name,
+            self.mean_input,
+            self.mean_output,
+            self.sigma_input,
+            self.sigma_output,
+            self.max_total,
+            mu_in,
+            mu_out,
+        )
+
+    def sample(self, rng: random.Random, count: int) -> list[tuple[int, int]]:
+        d = self if self.mu_input is not None else self.fitted()
+        return [d._draw(rng, d.mu_input, d.mu_output) for _ in range(count)]  # type: ignore[arg-type]
+
+
+def _named() -> dict[str, LengthDistribution]:
+    return {
+        "sharegpt": LengthDistribution("sharegpt", 161.0, 338.0, 1.0, 0.9),
+        "alpaca": LengthDistribution("alpaca", 19.0, 58.0, 0.6, 0.8),
+    }
+
+
+def workload_names() -> list[str]:
+    return sorted(_named())
+
+
+def get_workload(name: str, max_total: int = 2048) -> LengthDistribution:
+    """A named length distribution (``sharegpt`` or ``alpaca``), capped at ``max_total`` tokens."""
+    d = _named().get(name)
+    if d is None:
+        raise ValueError(
+            f"unknown workload {name!r}; use one of {workload_names()} or a .json/.jsonl file"
+        )
+    if isinstance(max_total, bool) or not isinstance(max_total, int) or max_total < 2:
+        raise ValueError(f"max_total must be an int >= 2, got {max_total!r}")
+    return LengthDistribution(
+        d.name, d.mean_input, d.mean_output, d.sigma_input, d.sigma_output, max_total
+    )
+
+
+_IN_KEYS = ("prompt_len", "input_len", "input_length", "prompt_tokens")
+_OUT_KEYS = ("output_len", "output_length", "completion_tokens")
+
+
+def load_lengths(path: str | Path, max_total: int = 2048) -> list[tuple[int, int]]:
+    """Read ``(input, output)`` lengths from a JSON list or a JSONL file of objects.
+
+    Each object needs an input length (``prompt_len``, ``input_len``...) and an output length
+    (``output_len``...). Records longer than ``max_total`` in all are skipped (as the paper's
+    setup drops them).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read workload file {str(p)!r}: {e}") from None
+    try:
+        if p.suffix == ".jsonl":
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            records = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(p)!r} is not valid JSON/JSONL: {e}") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{str(p)!r}: expected a list of objects")
+    out = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"{str(p)!r} record {i}: expected an object, got {r!r}")
+        a = next((r[k] for k in _IN_KEYS if k in r), None)
+        b = next((r[k] for k in _OUT_KEYS if k in r), None)
+        if not (isinstance(a, int) and isinstance(b, int) and a >= 1 and b >= 1):
+            raise ValueError(
+                f"{str(p)!r} record {i}: needs positive int input ({'/'.join(_IN_KEYS)}) and "
+                f"output ({'/'.join(_OUT_KEYS)}) lengths, got {r!r}"
+            )
+        if a + b <= max_total:
+            out.append((a, b))
+    if not out:
+        raise ValueError(f"{str(p)!r}: no record with input + output <= {max_total}")
+    return out
+
+
+def poisson_arrivals(
+    rate: float,
+    rng: random.Random,
+    num_requests: int | None = None,
+    duration: float | None = None,
+) -> list[float]:
+    """Arrival times of a Poisson process (exponential gaps), by count or until ``duration``."""
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate!r}")
+    if (num_requests is None) == (duration is None):
+        raise ValueError("give exactly one of num_requests and duration")
+    times: list[float] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if num_requests is not None and len(times) >= num_requests:
+            return times
+        if duration is not None and t > duration:
+            return times
+        times.append(t)
+
+
+def make_requests(
+    workload: str | Path,
+    rate: float,
+    *,
+    num_requests: int | None = None,
+    duration: float | None = None,
+    seed: int = 0,
+    max_total: int = 2048,
+) -> list[RequestSpec]:
+    """A trace: Poisson arrivals at ``rate`` with lengths from a named workload or a file.
+
+    The lengths depend on the seed only (not on the rate), so every rate of a sweep serves the
+    same requests, only closer together.
+    """
+    arrivals = poisson_arrivals(
+        rate, random.Random(f"arrivals-{seed}"), num_requests=num_requests, duration=duration
+    )
+    rng = random.Random(f"lengths-{seed}")
+    name = str(workload)
+    if name in _named():
+        pairs = get_workload(name, max_total).sample(rng, len(arrivals))
+    elif not Path(name).exists() and Path(name).suffix not in (".json", ".jsonl"):
+        raise ValueError(
+            f"unknown workload {name!r}; use one of {workload_names()} or a .json/.jsonl file"
+        )
+    else:
+        pool = load_lengths(workload, max_total)
+        pairs = [pool[rng.randrange(len(pool))] for _ in arrivals]
+    return [RequestSpec(t, a, b) for t, (a, b) in zip(arrivals, pairs)]
