@@ -107,7 +107,8 @@ class _RequestState:
 class LLMEngine:
     """One model, one KV cache, one scheduler; `step()` runs one iteration."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, *, model: torch.nn.Module | None = None) -> None:
+        """`model`: an already loaded model of `args.model` to reuse (skips loading)."""
         self.args = args
         if args.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,7 +122,7 @@ class LLMEngine:
         )
         self.tokenizer = self._load_tokenizer()
         torch.manual_seed(args.seed)
-        self.runner = ModelRunner(self.model_config, args, self.device)
+        self.runner = ModelRunner(self.model_config, args, self.device, model=model)
         mc = self.model_config
         self.scheduler = Scheduler(SchedulerConfig(
             block_size=args.block_size,

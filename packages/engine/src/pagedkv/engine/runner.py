@@ -42,7 +42,13 @@ class StepInputs:
 class ModelRunner:
     """Loads the model, sizes and allocates the KV cache, executes scheduler outputs."""
 
-    def __init__(self, model_config: ModelConfig, args: EngineArgs, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        args: EngineArgs,
+        device: torch.device,
+        model: torch.nn.Module | None = None,
+    ) -> None:
         self.config = model_config
         self.args = args
         self.device = device
@@ -52,8 +58,10 @@ class ModelRunner:
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(2048, self.max_model_len)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
 
-        self.model = load_model(
-            model_config, load_format=args.load_format, device=device, dtype=self.dtype
+        # A caller may hand in an already loaded model (tests build several engines over one).
+        self.model = model if model is not None else load_model(
+            model_config, load_format=args.load_format, device=device, dtype=self.dtype,
+            seed=args.seed,
         )
         self.block_bytes = (
             2 * model_config.num_layers * self.block_size * model_config.num_kv_heads
@@ -76,6 +84,9 @@ class ModelRunner:
         swap_shape = (shape[0], 2, self.num_cpu_blocks, *shape[3:])
         pin = device.type == "cuda"
         self.swap_cache = torch.empty(swap_shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if device.type == "cuda" and not args.enforce_eager:
+            self._capture_decode_graphs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GB) on %s, %d swap blocks (%.2f GB) on the host",
             self.num_gpu_blocks, self.block_size, self.num_gpu_blocks * self.block_bytes / _GB,
@@ -130,6 +141,76 @@ class ModelRunner:
             total / _GB, base_allocated / _GB, peak / _GB, max(non_torch, 0) / _GB, budget / _GB,
         )
         return int(max(budget, 0) // self.block_bytes)
+
+    # ---- CUDA graphs for decode ---------------------------------------------------------------
+    def graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes that get a captured graph: 1, 2, 4, 8, then every 16."""
+        top = min(self.args.max_num_seqs, 512)
+        sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+        if sizes[-1] != top:
+            sizes.append(top)
+        return sizes
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        """Capture one graph per bucketed decode batch size, sharing one memory pool.
+
+        Inputs live in static buffers; a replay copies the real batch into their first rows and
+        pads the rest (slot -1: nothing written; length 0: attention returns zeros). The
+        attention kernels get `max_seq_len = max_model_len` so their launch grid is the same
+        for every replay; programs past a sequence's end exit at once."""
+        sizes = self.graph_batch_sizes()
+        top = sizes[-1]
+        dev = self.device
+        self._g_ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self._g_pos = torch.zeros(top, dtype=torch.long, device=dev)
+        self._g_slots = torch.full((top,), -1, dtype=torch.long, device=dev)
+        self._g_tables = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self._g_lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self._g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        pool = None
+        start = torch.cuda.memory_allocated(dev)
+        for b in reversed(sizes):
+            meta = AttentionMetadata(
+                slot_mapping=self._g_slots[:b], block_tables=self._g_tables[:b],
+                seq_lens=self._g_lens[:b], cu_query_lens=self._g_cu[: b + 1],
+                max_query_len=1, max_seq_len=self.max_model_len, decode_only=True,
+            )
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
+                self.model(self._g_ids[:b], self._g_pos[:b], self.kv_caches, meta)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(self._g_ids[:b], self._g_pos[:b], self.kv_caches, meta)
+            pool = graph.pool() if pool is None else pool
+            self._graphs[b] = (graph, hidden)
+        torch.cuda.synchronize(dev)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s), %.2f GB",
+                    len(sizes), sizes, (torch.cuda.memory_allocated(dev) - start) / _GB)
+
+    def _graph_for(self, num_seqs: int) -> int | None:
+        fits = [b for b in self._graphs if b >= num_seqs]
+        return min(fits) if fits else None
+
+    def _replay_decode(self, seqs: list[tuple[list[int], int, list[int]]], b: int) -> torch.Tensor:
+        n = len(seqs)
+        bs = self.block_size
+        width = max(len(t) for _, _, t in seqs)
+        ids = [toks[0] for toks, _, _ in seqs]
+        pos = [start for _, start, _ in seqs]
+        slots = [t[p // bs] * bs + p % bs for (_, p, t) in seqs]
+        rows = [t + [0] * (width - len(t)) for _, _, t in seqs]
+        host = torch.tensor([ids, pos, slots], dtype=torch.long)
+        self._g_ids[:n].copy_(host[0], non_blocking=True)
+        self._g_pos[:n].copy_(host[1], non_blocking=True)
+        self._g_slots[:n].copy_(host[2], non_blocking=True)
+        self._g_slots[n:b].fill_(-1)
+        self._g_lens[:n].copy_(host[1] + 1, non_blocking=True)
+        self._g_lens[n:b].zero_()
+        self._g_tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        graph, hidden = self._graphs[b]
+        graph.replay()
+        return hidden[:n]
 
     # ---- one step -------------------------------------------------------------------------
     def _build_inputs(
@@ -208,6 +289,12 @@ class ModelRunner:
         sample_seq_indices: list[int],
     ) -> torch.Tensor:
         """Run one forward pass; return float32 logits [len(sample_seq_indices), vocab]."""
+        if self._graphs and all(len(toks) == 1 for toks, _, _ in seqs):
+            b = self._graph_for(len(seqs))
+            if b is not None:
+                hidden = self._replay_decode(seqs, b)
+                rows = torch.tensor(sample_seq_indices, dtype=torch.long).to(self.device, non_blocking=True)
+                return self.model.compute_logits(hidden[rows])
         inputs = self._build_inputs(seqs, sample_seq_indices)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not sample_seq_indices:
