@@ -668,7 +668,12 @@ class Scheduler:
             matched += 1
             if s.status is not _RUNNING:
                 continue
-            if isinstance(toks, str | bytes) or not isinstance(toks, SequenceABC):
+            tt = type(toks)
+            if (
+                tt is not list
+                and tt is not tuple
+                and (isinstance(toks, str | bytes) or not isinstance(toks, SequenceABC))
+            ):
                 raise ValueError(f"samples[{ss.seq_id}] must be a list of token ids, got {toks!r}")
             if len(toks) != 1:
                 if growth is None:

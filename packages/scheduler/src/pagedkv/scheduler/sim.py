@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pagedkv.scheduler.__about__ import __version__
+from pagedkv.scheduler._env import environment
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.cost_model import (
     CostModel,
@@ -362,7 +363,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rates",
         type=_floats,
-        default=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        default=[0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
         help="request rates (req/s), comma-separated",
     )
     ap.add_argument(
@@ -372,7 +373,9 @@ def _parser() -> argparse.ArgumentParser:
         help="rate whose batch size and KV utilization are reported (default: the highest)",
     )
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 600)")
+    g.add_argument(
+        "--num-requests", type=int, default=None, help="requests per rate (default 1000)"
+    )
     g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
@@ -448,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not policies:
         ap.error(f"--policies: unknown {bad}; choose from {','.join(POLICIES)}")
     if args.num_requests is None and args.duration is None:
-        args.num_requests = 600
+        args.num_requests = 1000
     if args.num_requests is not None and args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
     if args.duration is not None and not args.duration > 0:
@@ -556,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                 **asdict(gpu),
                 "num_params": model.num_params,
             },
-            "scheduler_version": __version__,
+            **environment(),
         },
         "main_rate": main_rate,
     }
@@ -587,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot written to {args.plot}")
     line = json.dumps(out)
     if args.output:
-        Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+        Path(args.output).write_text(line + "\n")
         print(f"JSON written to {args.output}")
     print(line)
     return 0
