@@ -18,6 +18,7 @@ from pagedkv.scheduler.workloads import (
     load_lengths,
     make_requests,
     poisson_arrivals,
+    sample_lengths,
 )
 
 
@@ -139,6 +140,10 @@ def test_arrivals_and_seeded_traces():
     b = make_requests("alpaca", 5.0, num_requests=50, seed=3)
     assert [(r.prompt_len, r.output_len) for r in a] == [(r.prompt_len, r.output_len) for r in b]
     assert a[-1].arrival_time > b[-1].arrival_time
+    assert sample_lengths("alpaca", 50, seed=3) == [(r.prompt_len, r.output_len) for r in a]
+    assert sample_lengths("sharegpt", 0) == []
+    with pytest.raises(ValueError, match="count"):
+        sample_lengths("sharegpt", -1)
     with pytest.raises(ValueError, match="rate"):
         poisson_arrivals(0.0, random.Random(0), num_requests=1)
 

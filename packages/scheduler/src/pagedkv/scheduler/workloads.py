@@ -25,6 +25,7 @@ __all__ = [
     "load_lengths",
     "make_requests",
     "poisson_arrivals",
+    "sample_lengths",
     "workload_names",
 ]
 
@@ -210,15 +211,26 @@ def make_requests(
     arrivals = poisson_arrivals(
         rate, random.Random(f"arrivals-{seed}"), num_requests=num_requests, duration=duration
     )
+    pairs = sample_lengths(workload, len(arrivals), seed=seed, max_total=max_total)
+    return [RequestSpec(t, a, b) for t, (a, b) in zip(arrivals, pairs)]
+
+
+def sample_lengths(
+    workload: str | Path, count: int, *, seed: int = 0, max_total: int = 2048
+) -> list[tuple[int, int]]:
+    """``count`` (input, output) length pairs from a named workload or a lengths file.
+
+    Deterministic in ``seed``; a file's records are drawn uniformly with replacement.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be an int >= 0, got {count!r}")
     rng = random.Random(f"lengths-{seed}")
     name = str(workload)
     if name in _named():
-        pairs = get_workload(name, max_total).sample(rng, len(arrivals))
-    elif not Path(name).exists() and Path(name).suffix not in (".json", ".jsonl"):
+        return get_workload(name, max_total).sample(rng, count)
+    if not Path(name).exists() and Path(name).suffix not in (".json", ".jsonl"):
         raise ValueError(
             f"unknown workload {name!r}; use one of {workload_names()} or a .json/.jsonl file"
         )
-    else:
-        pool = load_lengths(workload, max_total)
-        pairs = [pool[rng.randrange(len(pool))] for _ in arrivals]
-    return [RequestSpec(t, a, b) for t, (a, b) in zip(arrivals, pairs)]
+    pool = load_lengths(workload, max_total)
+    return [pool[rng.randrange(len(pool))] for _ in range(count)]
