@@ -1,0 +1,504 @@
+"""Benchmark: paged decode and prefill attention against the copy bandwidth and torch SDPA.
+
+    python -m pagedattn_kernels.bench            # on a CUDA GPU: the full set
+    python -m pagedattn_kernels.bench --quick    # CPU smoke run (tiny sizes, torch path)
+
+Measured in one run:
+- copy bandwidth: a device-to-device copy of a 2 GiB tensor, counting bytes read + written
+  (the practical ceiling for a memory-bound kernel);
+- decode (32 query heads, 8 KV heads, head dim 128, block size 16, bf16) for batch
+  {1, 16, 64, 256} x context {512, 2k, 4k, 8k, 32k}: median time, achieved bandwidth
+  (K/V bytes read / time), its fraction of the copy bandwidth, and the ratio to torch SDPA on
+  the same K/V laid out contiguously ([B, H, 1, D] query; the fastest of the SDPA backends,
+  with enable_gqa or with K/V repeated per query head);
+- prefill (one causal sequence of 1k, 4k, 16k tokens, same heads) in TFLOP/s against SDPA
+  causal on contiguous tensors;
+- sweeps of the flash-decoding split count and of tile shapes at the headline sizes, which
+  is how the defaults were chosen.
+Physical blocks are in random order. Times are medians of ``triton.testing.do_bench``
+(CUDA events, L2 flushed between runs). The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+import pagedattn_kernels as pk
+from pagedattn_kernels.testing import rel_error
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+BATCHES = [1, 16, 64, 256]
+CONTEXTS = [512, 2048, 4096, 8192, 32768]
+PREFILL_TOKENS = [1024, 4096, 16384]
+
+
+@dataclass(slots=True)
+class Setup:
+    device: torch.device
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block: int
+    batches: list[int]
+    contexts: list[int]
+    prefill_tokens: list[int]
+    quick: bool
+
+
+def _time(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds per call."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") / 1e3
+    fn()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, quick: bool) -> float:
+    """Bytes per second of a device-to-device copy, counting reads and writes."""
+    n = (64 if quick else 2048) * 2**20 // 2
+    src = torch.randn(n, device=device, dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    seconds = _time(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def _sdpa_backends(device: torch.device) -> list[tuple[str, object]]:
+    from torch.nn.attention import SDPBackend
+
+    if device.type != "cuda":
+        return [("default", None)]
+    names = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"]
+    return [(n.lower(), getattr(SDPBackend, n)) for n in names if hasattr(SDPBackend, n)]
+
+
+def fastest_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    repeat_ok: bool,
+) -> tuple[float, str, torch.Tensor | None]:
+    """Fastest SDPA over the available backends, with enable_gqa and (where memory allows)
+    with K/V repeated per query head. Returns (seconds, label, output)."""
+    from torch.nn.attention import sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    layouts: list[tuple[str, torch.Tensor, torch.Tensor, bool]] = [("gqa", k, v, True)]
+    if repeat_ok and group > 1:
+        layouts.append(
+            ("repeat", k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False)
+        )
+    best: tuple[float, str, torch.Tensor | None] = (math.inf, "none", None)
+    for layout, kk, vv, gqa in layouts:
+        for name, backend in _sdpa_backends(q.device):
+
+            def run(kk=kk, vv=vv, gqa=gqa) -> torch.Tensor:
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa)
+
+            ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+            try:
+                with ctx:
+                    out = run()
+                    seconds = _time(run, q.device)
+            except RuntimeError:
+                continue  # this backend does not take these inputs
+            if seconds < best[0]:
+                best = (seconds, f"{name}/{layout}", out)
+    return best
+
+
+def _paged(setup: Setup, batch: int, context: int, gen: torch.Generator):
+    """Random paged K/V for `batch` sequences of `context` tokens in shuffled blocks."""
+    per_seq = -(-context // setup.block)
+    num_blocks = batch * per_seq
+    shape = (num_blocks, setup.block, setup.kv_heads, setup.head_dim)
+    dev = setup.device
+    kc = torch.randn(shape, generator=gen, device=dev, dtype=setup.dtype)
+    vc = torch.randn(shape, generator=gen, device=dev, dtype=setup.dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=dev)
+    tables = perm.view(batch, per_seq).to(torch.int32)
+    return kc, vc, tables
+
+
+def _contiguous(cache: torch.Tensor, tables: torch.Tensor, context: int) -> torch.Tensor:
+    """[B, kv_heads, context, dim] copy of the paged cache (the SDPA baseline's layout)."""
+    b = tables.shape[0]
+    g = cache[tables.long()].view(b, -1, cache.shape[2], cache.shape[3])[:, :context]
+    return g.transpose(1, 2).contiguous()
+
+
+def _fits(setup: Setup, nbytes: int) -> bool:
+    if setup.device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(setup.device)
+    return nbytes < 0.8 * free
+
+
+def bench_decode(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict]:
+    rows = []
+    item = torch.finfo(setup.dtype).bits // 8
+    for batch in setup.batches:
+        for context in setup.contexts:
+            kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim * item
+            if not _fits(setup, 3 * kv_bytes):  # paged + contiguous copy + gather scratch
+                rows.append({"batch": batch, "context": context, "skipped": "memory"})
+                continue
+            row = decode_row(setup, batch, context, kv_bytes, copy_bw, gen)
+            rows.append(row)
+            _print_decode(row)
+            if setup.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def decode_row(
+    setup: Setup, batch: int, context: int, kv_bytes: int, copy_bw: float, gen: torch.Generator
+) -> dict:
+    kc, vc, tables = _paged(setup, batch, context, gen)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=setup.device)
+    q = torch.randn(batch, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+    q = q.to(setup.dtype)
+    out = torch.empty_like(q)
+
+    def ours() -> torch.Tensor:
+        return pk.paged_decode_attention(q, kc, vc, tables, lens, max_seq_len=context, out=out)
+
+    ours()
+    seconds = _time(ours, setup.device)
+    result = out.clone()
+    k4 = _contiguous(kc, tables, context)
+    v4 = _contiguous(vc, tables, context)
+    repeat_ok = _fits(setup, 2 * kv_bytes * (setup.heads // setup.kv_heads))
+    sdpa_s, label, sdpa_out = fastest_sdpa(q.unsqueeze(2), k4, v4, False, repeat_ok)
+    err = rel_error(result, sdpa_out.squeeze(2).double()) if sdpa_out is not None else None
+    bw = kv_bytes / seconds
+    return {
+        "batch": batch,
+        "context": context,
+        "us": seconds * 1e6,
+        "GBps": bw / 1e9,
+        "bw_frac": bw / copy_bw,
+        "sdpa_us": sdpa_s * 1e6,
+        "sdpa": label,
+        "vs_sdpa": sdpa_s / seconds,
+        "rel_err_vs_sdpa": err,
+    }
+
+
+def _print_decode(row: dict) -> None:
+    print(
+        f"decode  B={row['batch']:<4d} ctx={row['context']:<6d} {row['us']:9.1f} us "
+        f"{row['GBps']:8.1f} GB/s  {100 * row['bw_frac']:5.1f}% of copy  "
+        f"SDPA {row['sdpa_us']:9.1f} us ({row['sdpa']})  x{row['vs_sdpa']:.2f}  "
+        f"err {row['rel_err_vs_sdpa']:.1e}",
+        flush=True,
+    )
+
+
+def bench_prefill(setup: Setup, gen: torch.Generator) -> list[dict]:
+    rows = []
+    for tokens in setup.prefill_tokens:
+        row = prefill_row(setup, tokens, gen)
+        rows.append(row)
+        print(
+            f"prefill N={tokens:<6d} {row['us']:10.1f} us {row['tflops']:7.1f} TFLOP/s  "
+            f"SDPA {row['sdpa_tflops']:7.1f} TFLOP/s ({row['sdpa']})  x{row['vs_sdpa']:.2f}  "
+            f"err {row['rel_err_vs_sdpa']:.1e}",
+            flush=True,
+        )
+    return rows
+
+
+def _prefill_inputs(setup: Setup, tokens: int, gen: torch.Generator):
+    kc, vc, tables = _paged(setup, 1, tokens, gen)
+    q = torch.randn(tokens, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+    q = q.to(setup.dtype)
+    lens = torch.tensor([tokens], dtype=torch.int32, device=setup.device)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=setup.device)
+    return q, kc, vc, tables, lens, cu
+
+
+def prefill_row(setup: Setup, tokens: int, gen: torch.Generator) -> dict:
+    q, kc, vc, tables, lens, cu = _prefill_inputs(setup, tokens, gen)
+    out = torch.empty_like(q)
+
+    def ours() -> torch.Tensor:
+        return pk.paged_attention(
+            q, kc, vc, tables, lens, cu, max_query_len=tokens, max_seq_len=tokens, out=out
+        )
+
+    ours()
+    seconds = _time(ours, setup.device)
+    flops = 4 * setup.heads * setup.head_dim * tokens * tokens / 2  # causal: half the matrix
+    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
+    k4 = _contiguous(kc, tables, tokens)
+    v4 = _contiguous(vc, tables, tokens)
+    sdpa_s, label, sdpa_out = fastest_sdpa(q4, k4, v4, True, True)
+    err = None
+    if sdpa_out is not None:
+        err = rel_error(out, sdpa_out[0].transpose(0, 1).double())
+    return {
+        "tokens": tokens,
+        "us": seconds * 1e6,
+        "tflops": flops / seconds / 1e12,
+        "sdpa_us": sdpa_s * 1e6,
+        "sdpa_tflops": flops / sdpa_s / 1e12,
+        "sdpa": label,
+        "vs_sdpa": sdpa_s / seconds,
+        "rel_err_vs_sdpa": err,
+    }
+
+
+def _sweep_decode(
+    setup: Setup,
+    batch: int,
+    context: int,
+    splits_list: list[int],
+    configs: list,
+    copy_bw: float,
+    gen: torch.Generator,
+    deadline: float,
+) -> list[dict]:
+    """Every split count with the default tiles; the other tiles at the first and the
+    automatic split count."""
+    from pagedattn_kernels import triton_ops as to
+
+    kc, vc, tables = _paged(setup, batch, context, gen)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=setup.device)
+    q = torch.randn(batch, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+    q = q.to(setup.dtype)
+    out = torch.empty_like(q)
+    kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim * q.element_size()
+    auto = to.choose_num_splits(batch, setup.kv_heads, context, to.sm_count(setup.device))
+    rows: list[dict] = []
+    for cfg in configs:
+        for splits in sorted({*splits_list, auto}):
+            if time.monotonic() > deadline:
+                return rows
+            if cfg != configs[0] and splits not in (splits_list[0], auto):
+                continue
+
+            def run(cfg=cfg, splits=splits) -> torch.Tensor:
+                return to.paged_decode_attention(
+                    q, kc, vc, tables, lens, setup.head_dim**-0.5, context, out,
+                    num_splits=splits, config=cfg,
+                )  # fmt: skip
+
+            row = {"batch": batch, "context": context, "config": asdict(cfg), "splits": splits,
+                   "auto_splits": auto}  # fmt: skip
+            try:
+                run()
+                seconds = _time(run, setup.device)
+            except Exception as exc:  # a tile shape that does not compile or fit
+                rows.append({**row, "error": repr(exc)[:200]})
+                continue
+            row.update(us=seconds * 1e6, bw_frac=kv_bytes / seconds / copy_bw)
+            rows.append(row)
+            print(f"sweep decode B={batch} ctx={context} {asdict(cfg)} splits={splits}"
+                  f"{' (auto)' if splits == auto else ''}: {seconds * 1e6:.1f} us "
+                  f"{100 * row['bw_frac']:.1f}% of copy", flush=True)  # fmt: skip
+    return rows
+
+
+def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generator,
+                   deadline: float) -> list[dict]:  # fmt: skip
+    from pagedattn_kernels import triton_ops as to
+
+    q, kc, vc, tables, lens, cu = _prefill_inputs(setup, tokens, gen)
+    out = torch.empty_like(q)
+    flops = 4 * setup.heads * setup.head_dim * tokens * tokens / 2
+    rows: list[dict] = []
+    for cfg in configs:
+        if time.monotonic() > deadline:
+            break
+
+        def run(cfg=cfg) -> torch.Tensor:
+            return to.paged_attention(
+                q, kc, vc, tables, lens, cu, setup.head_dim**-0.5, out, config=cfg
+            )
+
+        try:
+            run()
+            seconds = _time(run, setup.device)
+        except Exception as exc:
+            rows.append({"tokens": tokens, "config": asdict(cfg), "error": repr(exc)[:200]})
+            continue
+        rows.append({"tokens": tokens, "config": asdict(cfg), "tflops": flops / seconds / 1e12})
+        print(f"sweep prefill N={tokens} {asdict(cfg)}: {flops / seconds / 1e12:.1f} TFLOP/s",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) -> dict:
+    """Split counts and tile shapes at the headline sizes (GPU only)."""
+    from pagedattn_kernels import triton_ops as to
+
+    decode_cfgs = [
+        to.decode_config(setup.head_dim, setup.dtype),
+        to.DecodeConfig(32, 4, 3),
+        to.DecodeConfig(128, 4, 2),
+        to.DecodeConfig(64, 8, 3),
+        to.DecodeConfig(64, 4, 4),
+        to.DecodeConfig(64, 2, 3),
+    ]
+    decode: list[dict] = []
+    for batch, context, splits_list in (
+        (64, 4096, [1, 2, 4]),
+        (1, 32768, [32, 48, 64, 96, 128]),
+        (16, 4096, [1, 2, 4, 8]),
+    ):
+        decode += _sweep_decode(setup, batch, context, splits_list, decode_cfgs, copy_bw, gen,
+                                deadline)  # fmt: skip
+    qpk = setup.heads // setup.kv_heads
+    prefill_cfgs = [
+        to.prefill_config(setup.head_dim, setup.dtype, qpk),
+        to.PrefillConfig(128, 128, 8, 3),
+        to.PrefillConfig(128, 64, 4, 3),
+        to.PrefillConfig(64, 64, 4, 3),
+        to.PrefillConfig(128, 32, 4, 4),
+        to.PrefillConfig(128, 64, 8, 4),
+        to.PrefillConfig(256, 64, 8, 3),
+    ]
+    prefill = _sweep_prefill(setup, 4096, prefill_cfgs, gen, deadline)
+    return {"decode": decode, "prefill": prefill}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB"
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def _pick(rows: list[dict], key: str, **where) -> float | None:
+    for row in rows:
+        if all(row.get(k) == v for k, v in where.items()) and key in row:
+            return row[key]
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        prog="python -m pagedattn_kernels.bench", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, torch path")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    ap.add_argument("--no-sweeps", action="store_true", help="skip the split/tile sweeps")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="stop starting sweeps after this many seconds")  # fmt: skip
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    if args.quick:
+        setup = Setup(torch.device("cpu"), torch.float32, 4, 2, 64, 16, [1, 4], [64, 256],
+                      [128, 256], True)  # fmt: skip
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("the benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
+        setup = Setup(torch.device("cuda"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, BLOCK,
+                      BATCHES, CONTEXTS, PREFILL_TOKENS, False)  # fmt: skip
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    command = "python -m pagedattn_kernels.bench" + (
+        " " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""
+    )
+    info = {
+        "hardware": _hardware(setup.device),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": args.commit or _commit(),
+        "command": command,
+        "workload": (
+            f"{setup.heads} query heads, {setup.kv_heads} KV heads, head dim {setup.head_dim}, "
+            f"block size {setup.block}, {str(setup.dtype).removeprefix('torch.')}, "
+            "physical blocks in random order"
+        ),
+    }
+    for k, v in info.items():
+        print(f"{k:9s}: {v}")
+    gen = torch.Generator(device=setup.device).manual_seed(1234)
+    copy_bw = copy_bandwidth(setup.device, setup.quick)
+    print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s (bytes read + written)", flush=True)
+    prefill = bench_prefill(setup, gen)
+    decode = bench_decode(setup, copy_bw, gen)
+    swept = {}
+    if not setup.quick and not args.no_sweeps:
+        swept = sweeps(setup, copy_bw, gen, start + args.budget_s)
+
+    print()
+    print(
+        f"{'B':>4} {'ctx':>6} {'us':>9} {'GB/s':>8} {'%copy':>6} {'SDPA us':>9} {'vs SDPA':>7}  SDPA backend"
+    )
+    for r in decode:
+        if "skipped" in r:
+            print(f"{r['batch']:>4} {r['context']:>6}  skipped ({r['skipped']})")
+            continue
+        print(f"{r['batch']:>4} {r['context']:>6} {r['us']:>9.1f} {r['GBps']:>8.1f} "
+              f"{100 * r['bw_frac']:>6.1f} {r['sdpa_us']:>9.1f} {r['vs_sdpa']:>7.2f}  {r['sdpa']}")  # fmt: skip
+    print(f"\n{'tokens':>6} {'TFLOP/s':>8} {'SDPA':>8} {'vs SDPA':>7}  SDPA backend")
+    for r in prefill:
+        print(f"{r['tokens']:>6} {r['tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} {r['vs_sdpa']:>7.2f}  {r['sdpa']}")  # fmt: skip
+
+    headline = not setup.quick
+    summary = {
+        "bench": "pagedattn_kernels",
+        **info,
+        "quick": setup.quick,
+        "copy_bw_TBps": copy_bw / 1e12,
+        "decode_bw_frac_b64_c4k": _pick(decode, "bw_frac", batch=64, context=4096)
+        if headline
+        else None,
+        "decode_vs_sdpa_b64_c4k": _pick(decode, "vs_sdpa", batch=64, context=4096)
+        if headline
+        else None,
+        "decode_bw_frac_b1_c32k": _pick(decode, "bw_frac", batch=1, context=32768)
+        if headline
+        else None,
+        "prefill_vs_sdpa_4k": _pick(prefill, "vs_sdpa", tokens=4096) if headline else None,
+        "prefill_tflops_4k": _pick(prefill, "tflops", tokens=4096) if headline else None,
+        "decode": decode,
+        "prefill": prefill,
+        "sweeps": swept,
+        "seconds": round(time.monotonic() - start, 1),
+    }
+    print(json.dumps(summary, separators=(",", ":")))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Moving blocks between a GPU cache and a pinned CPU cache (swap out / swap in).
+
+How it is done on CUDA, and why: each swapped block is one contiguous run of
+``block_size * num_kv_heads * head_dim`` elements per leading index (layer, K/V) on both sides.
+Pairs whose source and destination ids are both consecutive are merged into runs, and each run
+of each leading index becomes one ``copy_(..., non_blocking=True)`` between contiguous slices:
+a single ``cudaMemcpyAsync`` straight between the caches, on the swap stream, with no staging
+buffer and no host work after the call returns. (A gather into a staging buffer with
+``index_select`` would make the GPU side one transfer, but the CPU side would then need a
+scatter by the host after the transfer finished, i.e. a sync; the copy engine writing each
+block to its final place keeps the whole swap asynchronous.) Copies to or from pageable
+(unpinned) CPU memory still work but are synchronous, as CUDA makes them.
+
+The swap stream first waits for the current stream, so a swap out reads the values that the
+work queued before it wrote. The caller waits on the swap stream (``stream.synchronize()``, or
+``torch.cuda.current_stream().wait_stream(stream)``) before reading swapped-in blocks or
+reusing swapped-out GPU blocks. Without a ``stream`` argument a dedicated stream per device is
+used; ``swap_stream(device)`` returns it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedattn_kernels import torch_ops
+from pagedattn_kernels.validation import block_rows
+
+
+@functools.cache
+def _dedicated_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+def swap_stream(device: torch.device | int | str | None = None) -> torch.cuda.Stream:
+    """The dedicated stream ``swap_blocks`` uses on ``device`` when given no stream."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    dev = torch.device(dev) if not isinstance(dev, torch.device) else dev
+    if isinstance(device, int):
+        dev = torch.device("cuda", device)
+    if dev.type != "cuda":
+        raise ValueError(f"swap streams exist on CUDA devices only, not {dev}")
+    return _dedicated_stream(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Merge (src, dst) pairs into (src_start, dst_start, count) runs of consecutive ids,
+    keeping the given order."""
+    merged: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if merged:
+            s0, d0, n = merged[-1]
+            if src == s0 + n and dst == d0 + n:
+                merged[-1] = (s0, d0, n + 1)
+                continue
+        merged.append((src, dst, 1))
+    return merged
+
+
+def swap_blocks(
+    src_cache: torch.Tensor,
+    dst_cache: torch.Tensor,
+    pairs: list[tuple[int, int]],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """``pairs`` checked by the caller (ids in range, caches of matching block shape)."""
+    if not pairs:
+        return
+    if src_cache.device.type != "cuda" and dst_cache.device.type != "cuda":
+        src = torch.tensor([p[0] for p in pairs], device=src_cache.device)
+        dst = torch.tensor([p[1] for p in pairs], device=dst_cache.device)
+        torch_ops.swap_blocks_same_device(src_cache, dst_cache, src, dst)
+        return
+    gpu = src_cache.device if src_cache.device.type == "cuda" else dst_cache.device
+    if stream is None:
+        stream = swap_stream(gpu)
+    src3 = block_rows(src_cache)
+    dst3 = block_rows(dst_cache)
+    if src3 is None or dst3 is None:  # checked by ops.swap_blocks; kept for direct callers
+        raise ValueError("swap_blocks needs caches whose blocks are contiguous")
+    stream.wait_stream(torch.cuda.current_stream(gpu))
+    with torch.cuda.stream(stream):
+        for s0, d0, n in runs(pairs):
+            for layer in range(src3.shape[0]):
+                dst3[layer, d0 : d0 + n].copy_(src3[layer, s0 : s0 + n], non_blocking=True)

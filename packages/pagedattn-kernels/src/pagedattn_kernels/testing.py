@@ -1,0 +1,106 @@
+"""Helpers for testing code that uses these kernels: random paged batches, error measures.
+
+A random batch scatters each sequence's blocks over the cache in random physical order and
+fills unused block-table entries with ids past the end of the cache, so any kernel that reads
+blocks it should not, or reads blocks in logical order by mistake, gives a wrong answer (or a
+clear error) instead of a lucky right one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+# Largest allowed ||out - ref|| / ||ref|| against the float64 reference, by dtype.
+TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-3,
+    torch.float16: 3e-3,
+    torch.bfloat16: 1e-2,
+}
+
+SEED_ENV = "PAGEDATTN_TEST_SEED"
+
+
+def fresh_seed() -> int:
+    """A new random seed, or ``$PAGEDATTN_TEST_SEED`` to replay a failure."""
+    fixed = os.environ.get(SEED_ENV)
+    return int(fixed) if fixed else secrets.randbits(48)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere in ``out`` gives inf."""
+    out64 = out.to(device=ref.device, dtype=torch.float64)
+    if not bool(torch.isfinite(out64).all()):
+        return float("inf")
+    denom = float(ref.norm())
+    return float((out64 - ref).norm()) / (denom if denom > 0 else 1.0)
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Inputs of ``paged_attention`` (and, with one query per sequence, of decode)."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    cu_query_lens: torch.Tensor  # [num_seqs + 1] int32
+    lens: list[int]
+    query_lens: list[int]
+
+
+def random_paged_batch(
+    gen: torch.Generator,
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """Random caches holding every sequence's context in randomly ordered physical blocks.
+
+    ``gen`` must live on ``device``. Unused block-table entries point past the cache.
+    """
+    device = torch.device(device)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    value_cache = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen, device=device).tolist()
+    width = max([*per_seq, 1]) + 1
+    table = [[num_blocks + 1000 + c for c in range(width)] for _ in seq_lens]
+    used = iter(order)
+    for i, n in enumerate(per_seq):
+        for c in range(n):
+            table[i][c] = next(used)
+    num_tokens = sum(query_lens)
+    query = torch.randn(
+        (num_tokens, num_heads, head_dim), generator=gen, device=device, dtype=torch.float32
+    ).to(dtype)
+    cu = [0, *itertools.accumulate(query_lens)]
+    return PagedBatch(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
+        lens=list(seq_lens),
+        query_lens=list(query_lens),
+    )
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer full of NaN, so any element a kernel fails to write fails the test."""
+    return torch.full_like(t, float("nan"))

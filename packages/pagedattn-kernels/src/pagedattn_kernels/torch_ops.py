@@ -1,0 +1,217 @@
+"""The plain-torch implementation: the fast path on CPU (and a fallback anywhere).
+
+Attention gathers each sequence's blocks with one indexing op and hands the contiguous K/V to
+``torch.nn.functional.scaled_dot_product_attention`` (fused and multi-threaded on CPU), with
+``enable_gqa`` for grouped-query attention and a boolean mask for the causal offset of a chunk
+that continues an earlier context. Decode tokens (chunks of one query) of similar context
+lengths are batched into one SDPA call with a key-padding mask, so a decode step costs a few
+calls per layer rather than one per sequence.
+
+Inputs arrive validated (``ops`` checks them). The host reads lengths with ``tolist()``,
+which is free on CPU tensors and a device sync on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# A decode group's padded length stays within this factor of its shortest context (plus a
+# little), so batching never multiplies the work of short sequences by much.
+_GROUP_SPREAD = 1.5
+_GROUP_SLACK = 64
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if slots.numel() == 0:
+        return
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Index assignment writes into the caches whatever their strides.
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, table_rows: torch.Tensor, length: int) -> torch.Tensor:
+    """K or V of sequences as ``[batch, num_kv_heads, length, head_dim]`` (a copy)."""
+    batch, num_blocks = table_rows.shape
+    picked = cache[table_rows]  # [batch, blocks, block_size, heads, dim]
+    picked = picked.reshape(batch, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+    return picked[:, :length].transpose(1, 2)
+
+
+def _decode_groups(lens: list[int], members: list[int]) -> list[list[int]]:
+    """Split decode sequences (indices into ``lens``) into groups of similar context length."""
+    order = sorted(members, key=lambda i: lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lens[i] <= _GROUP_SPREAD * lens[groups[-1][0]] + _GROUP_SLACK:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_batch(
+    query_rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table_rows: torch.Tensor,
+    lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per sequence; ``query_rows`` ``[batch, heads, dim]``."""
+    longest = max(lens)
+    block_size = key_cache.shape[1]
+    cols = -(-longest // block_size)
+    table_rows = table_rows[:, :cols].to(torch.int64)
+    if min(lens) != longest:
+        # Entries past a sequence's own blocks are arbitrary: point them at block 0.
+        need = torch.tensor([-(-n // block_size) for n in lens], device=table_rows.device)
+        in_use = torch.arange(cols, device=table_rows.device)[None, :] < need[:, None]
+        table_rows = torch.where(in_use, table_rows, 0)
+    k = _gather(key_cache, table_rows, longest)
+    v = _gather(value_cache, table_rows, longest)
+    mask = None
+    if min(lens) != longest:
+        lens_t = torch.tensor(lens, device=k.device)
+        mask = torch.arange(longest, device=k.device)[None, :] < lens_t[:, None]
+        mask = mask[:, None, None, :]
+    q = query_rows.unsqueeze(2)  # [batch, heads, 1, dim]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return o.squeeze(2)
+
+
+def _prefill_one(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table_row: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the last ``q.shape[0]`` tokens of a ``seq_len`` context."""
+    q_len = q.shape[0]
+    block_size = key_cache.shape[1]
+    table_row = table_row[None, : -(-seq_len // block_size)].to(torch.int64)
+    k = _gather(key_cache, table_row, seq_len)
+    v = _gather(value_cache, table_row, seq_len)
+    context = seq_len - q_len
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
+    gqa = qh.shape[1] != k.shape[1]
+    if context == 0:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(context, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= rows[:, None]
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    lens = [int(x) for x in seq_lens.tolist()]
+    cu = [int(x) for x in cu_query_lens.tolist()]
+    decodes: list[int] = []
+    for i, seq_len in enumerate(lens):
+        q_len = cu[i + 1] - cu[i]
+        if q_len == 0:
+            continue
+        if q_len == 1:
+            decodes.append(i)
+        else:
+            q = query[cu[i] : cu[i + 1]]
+            out[cu[i] : cu[i + 1]] = _prefill_one(
+                q, key_cache, value_cache, block_tables[i], seq_len, scale
+            )
+    if decodes:
+        rows = torch.tensor([cu[i] for i in decodes], device=query.device)
+        result = torch.empty_like(query[rows])
+        _decode(query[rows], key_cache, value_cache, block_tables, lens, decodes, scale, result)
+        out[rows] = result
+    return out
+
+
+def _decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: list[int],
+    seqs: list[int],
+    scale: float,
+    result: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention for sequences ``seqs`` (query row j belongs to ``seqs[j]``), written
+    into ``result`` (row j likewise)."""
+    position = {s: j for j, s in enumerate(seqs)}
+    empty = [position[s] for s in seqs if lens[s] == 0]  # length 0 = batch padding: zeros
+    if empty:
+        result[torch.tensor(empty, device=result.device)] = 0
+    live = [s for s in seqs if lens[s] > 0]
+    for group in _decode_groups(lens, live):
+        rows = [position[s] for s in group]
+        identity = rows == list(range(len(seqs)))
+        index = torch.tensor(rows, device=query.device)
+        out_rows = _decode_batch(
+            query if identity else query[index],
+            key_cache,
+            value_cache,
+            block_tables[torch.tensor(group, device=block_tables.device)],
+            [lens[s] for s in group],
+            scale,
+        )
+        if identity:
+            result.copy_(out_rows)
+        else:
+            result[index] = out_rows.to(result.dtype)
+    return result
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    lens = [int(x) for x in seq_lens.tolist()]
+    seqs = list(range(len(lens)))
+    return _decode(query, key_cache, value_cache, block_tables, lens, seqs, scale, out)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy block ``src[i]`` to ``dst[i]`` along the block dim (-4) of every leading index."""
+    if src.numel() == 0:
+        return
+    kv_cache.index_copy_(-4, dst, kv_cache.index_select(-4, src))
+
+
+def swap_blocks_same_device(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    if src.numel() == 0:
+        return
+    dst_cache.index_copy_(-4, dst, src_cache.index_select(-4, src))

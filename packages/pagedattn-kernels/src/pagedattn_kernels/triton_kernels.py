@@ -1,0 +1,464 @@
+"""The Triton kernels (device code only; the launchers are in ``triton_ops``).
+
+Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a unit stride on the
+head dim; a token's keys for one KV head are one contiguous row of ``head_dim`` elements.
+Rows are gathered through the block table one tile of ``TILE_N`` tokens at a time (a tile spans
+several cache blocks), so every load is a wide, coalesced row read whatever the block size.
+
+Head dims that are not powers of two (80, 96) are padded to the next power of two inside the
+kernel (``HEAD_DIM_PAD``) and masked; no padding ever reaches memory.
+
+Softmax runs in the log2 domain: scores are multiplied by ``scale * log2(e)`` and exponentiated
+with ``exp2``. All programs handle every query head of one KV head (the "group"), so each K/V
+row is read once per sequence whatever the GQA ratio.
+
+This file is loaded twice when both compiled and interpreted kernels are needed
+(see ``backend.triton_kernels``); it must stay free of import-time side effects. For the same
+reason the kernels call only Triton *builtins* and the jit helpers defined here, never the
+jit functions of ``triton.language.standard`` (``tl.zeros``, ``tl.max``, ``tl.sum``,
+``tl.cdiv``): those are compiled-or-interpreted according to ``TRITON_INTERPRET`` when triton
+itself was imported, and the wrong kind cannot be called. Reductions go through
+``tl.reduce`` with the standard combine functions, which the interpreter recognises and runs
+in numpy (the functions themselves are never called there). Small helpers are written inline:
+the interpreter re-patches ``triton.language`` at every jit-function call, which costs
+milliseconds each time.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_tok,
+    stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: copy its K and V (all KV heads) into its slot; slot < 0 skips."""
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
+    kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
+    vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
+    tl.store(kc + h[:, None] * stride_kc_head + d[None, :], k, mask=mask)
+    tl.store(vc + h[:, None] * stride_vc_head + d[None, :], v, mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    m_i,
+    l_i,
+    acc,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    kv_head_off_k,
+    kv_head_off_v,
+    start,
+    kv_end,
+    row_pos,
+    scale_log2,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_vc_block,
+    stride_vc_tok,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online-softmax update with one tile of TILE_N keys starting at context position ``start``.
+
+    MASKED: the tile may reach past ``kv_end`` (the end of the keys this program reads).
+    CAUSAL: also hide key positions greater than each row's own position ``row_pos``.
+    Unmasked tiles skip every comparison (the common case in long contexts).
+    IEEE: fp32 inputs; dots in 3xTF32 (fp32-accurate) rather than plain tf32.
+    UPCAST: interpreter with bfloat16 inputs (see below).
+    """
+    pos = start + tl.arange(0, TILE_N)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    if MASKED:
+        in_range = pos < kv_end
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
+    tok_off = (pos % BLOCK_SIZE).to(tl.int64)
+    k_off = blk * stride_kc_block + tok_off * stride_kc_tok + kv_head_off_k
+    v_off = blk * stride_vc_block + tok_off * stride_vc_tok + kv_head_off_v
+    k_ptrs = k_cache_ptr + k_off[:, None] + d[None, :]
+    v_ptrs = v_cache_ptr + v_off[:, None] + d[None, :]
+    if MASKED:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            kv_mask = in_range[:, None]
+        else:
+            kv_mask = in_range[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+
+    # UPCAST: the interpreter's dot cannot multiply bfloat16 (numpy has no such type and it
+    # would multiply the raw bits), so there the operands go to fp32 first.
+    if UPCAST:
+        s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    if MASKED:
+        keep = in_range[None, :]
+        if CAUSAL:
+            keep = keep & (pos[None, :] <= row_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+
+    if MASKED:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+    p = p.to(v.dtype)
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        acc = tl.dot(p, v, acc, input_precision="tf32x3")
+    else:
+        acc = tl.dot(p, v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def decode_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    partition_size,
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_tok,
+    stride_vc_head,
+    stride_bt_seq,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
+
+    Program (seq, kv head, split) attends the group's query heads (rows of a BLOCK_G x D tile)
+    over context positions [split * partition_size, min(+partition_size, seq_len)).
+    SPLIT=False (one split): writes the normalised output directly.
+    SPLIT=True: writes the partial output and its log2-sum-exp for ``decode_reduce_kernel``.
+    A sequence of length 0 (batch padding) gets zeros.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
+    if SPLIT:  # noqa: SIM102 (a constexpr test and a runtime one stay apart)
+        if start >= seq_len:
+            return
+    end = tl.minimum(start + partition_size, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * QUERIES_PER_KV + g
+    g_mask = g < QUERIES_PER_KV
+    d_mask = d < HEAD_DIM
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, HEAD_DIM_PAD], 0.0, tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head_off = kv_head.to(tl.int64) * stride_kc_head
+    v_head_off = kv_head.to(tl.int64) * stride_vc_head
+    row_pos = tl.full([BLOCK_G], 0, tl.int32)  # unused: decode is not causal within a tile
+
+    # Whole tiles first (no masks), then at most one ragged tile.
+    full_end = start + ((end - start) // TILE_N) * TILE_N
+    for tile_start in range(start, full_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
+            tile_start, end, row_pos, scale_log2,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST,
+        )  # fmt: skip
+    if full_end < end:
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
+            full_end, end, row_pos, scale_log2,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST,
+        )  # fmt: skip
+
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = acc / l_safe[:, None]
+    if SPLIT:
+        po = (
+            part_out_ptr
+            + seq.to(tl.int64) * stride_po_seq
+            + heads[:, None] * stride_po_head
+            + split * stride_po_split
+            + d[None, :]
+        )
+        tl.store(po, result, mask=store_mask)
+        lse = m_i + tl.log2(l_safe)
+        pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
+        tl.store(pl, lse, mask=g_mask)
+    else:
+        o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    partition_size,
+    num_splits,
+    stride_o_seq,
+    stride_o_head,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Flash-decoding, phase two. Grid: (num_seqs, num_heads).
+
+    Merges the partial outputs of the splits that hold keys (ceil(seq_len / partition_size)
+    of them), weighting each by exp2(lse - max lse).
+    """
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_valid = tl.minimum((seq_len + partition_size - 1) // partition_size, num_splits)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = s < num_valid
+    d_mask = d < HEAD_DIM
+    lse = tl.load(
+        part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + s,
+        mask=s_mask,
+        other=float("-inf"),
+    )
+    lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
+    lse_max = tl.where(num_valid > 0, lse_max, 0.0)
+    w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
+    denom = tl.reduce(w, 0, tl.standard._sum_combine)
+    parts = tl.load(
+        part_out_ptr
+        + seq * stride_po_seq
+        + head * stride_po_head
+        + s[:, None] * stride_po_split
+        + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    result = tl.reduce(parts * w[:, None], 0, tl.standard._sum_combine) / tl.where(
+        denom > 0.0, denom, 1.0
+    )
+    o = out_ptr + seq * stride_o_seq + head * stride_o_head + d
+    tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def prefill_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_q_ptr,
+    scale_log2,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_tok,
+    stride_vc_head,
+    stride_bt_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Causal attention for a packed, mixed batch of query chunks. Grid: (q blocks, kv heads).
+
+    A program takes BLOCK_Q query tokens of one sequence times the QUERIES_PER_KV query heads
+    of one KV head: BLOCK_M >= BLOCK_Q * QUERIES_PER_KV rows, row r = (token r // G, head r % G).
+    Sequence i owns programs [cu_q[i] // BLOCK_Q + i, cu_q[i+1] // BLOCK_Q + i + 1), which
+    covers ceil(q_len_i / BLOCK_Q) blocks (spares exit at once); the sequence of a program is
+    found by binary search, so the grid needs no host-side knowledge of the lengths.
+    Query token j of a chunk of q_len in a context of seq_len tokens sits at position
+    seq_len - q_len + j and sees keys 0..that position.
+    """
+    # The last query blocks have the most keys to read: start them first (shorter tail).
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    first_tok = local_block * BLOCK_Q
+    if first_tok >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
+
+    r = tl.arange(0, BLOCK_M)
+    tok = first_tok + r // QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + r % QUERIES_PER_KV
+    row_ok = (r < BLOCK_Q * QUERIES_PER_KV) & (tok <= last_tok)
+    # Padding rows take the block's last position so no row is ever fully masked.
+    row_pos = context + tl.where(row_ok, tok, last_tok)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
+    bt_row = block_tables_ptr + seq * stride_bt_seq
+    k_head_off = kv_head.to(tl.int64) * stride_kc_head
+    v_head_off = kv_head.to(tl.int64) * stride_vc_head
+
+    kv_end = context + last_tok + 1
+    # Keys 0..context+first_tok are visible to every row: whole tiles there need no mask.
+    free_end = ((context + first_tok + 1) // TILE_N) * TILE_N
+    for tile_start in range(0, free_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
+            tile_start, kv_end, row_pos, scale_log2,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, True, IEEE, UPCAST,
+        )  # fmt: skip
+    for tile_start in range(free_end, kv_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
+            tile_start, kv_end, row_pos, scale_log2,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, True, IEEE, UPCAST,
+        )  # fmt: skip
+
+    result = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
+    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def copy_blocks_kernel(
+    cache_ptr,
+    mapping_ptr,
+    stride_layer,
+    stride_block,
+    BLOCK_ELEMS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Grid: (num_pairs, num_layers, chunks per block). Copies one chunk of one block of one
+    layer from the pair's source block to its destination block."""
+    pair = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    src = tl.load(mapping_ptr + 2 * pair).to(tl.int64)
+    dst = tl.load(mapping_ptr + 2 * pair + 1).to(tl.int64)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < BLOCK_ELEMS
+    base = cache_ptr + layer * stride_layer
+    x = tl.load(base + src * stride_block + offs, mask=mask)
+    tl.store(base + dst * stride_block + offs, x, mask=mask)

@@ -1,0 +1,260 @@
+"""Launchers for the Triton kernels: tile configurations, the flash-decoding split choice, grids.
+
+Inputs arrive validated (``ops`` checks them). CUDA tensors get the compiled kernels, CPU
+tensors the same kernels in Triton's interpreter (see ``backend``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn_kernels.backend import kernels_for
+
+MAX_HEAD_DIM = 256
+# Split a sequence no finer than this many tokens: below it the merge costs more than it saves.
+MIN_PARTITION = 256
+MAX_SPLITS = 256
+# The interpreter has no SMs; pretend to have a few so that small tests take the split path.
+_INTERPRETER_SMS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Tile shape of the decode kernel: TILE_N keys per loop step."""
+
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Tile shape of the prefill kernel: BLOCK_M query rows (tokens x grouped heads) per
+    program, TILE_N keys per loop step."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16.
+    return max(16, next_power_of_2(head_dim))
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool = False) -> DecodeConfig:
+    """Keep one K tile near 16 KB: wide enough for many loads in flight, small enough for
+    three pipeline stages of K and V in shared memory."""
+    if interpreted:  # the interpreter pays per operation: few, wide tiles
+        return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
+    dpad = padded_head_dim(head_dim)
+    if dtype.itemsize == 4:  # fp32: tf32x3 dots hold split operands in registers: small tiles
+        return DecodeConfig(tile_n=32 if dpad <= 128 else 16, num_warps=4, num_stages=2)
+    tile_n = max(16, min(64, 16384 // (dpad * dtype.itemsize)))
+    return DecodeConfig(tile_n=tile_n, num_warps=4, num_stages=3)
+
+
+def prefill_config(
+    head_dim: int, dtype: torch.dtype, queries_per_kv: int, interpreted: bool = False
+) -> PrefillConfig:
+    dpad = padded_head_dim(head_dim)
+    if interpreted:  # the interpreter pays per operation: few, large tiles
+        cfg = PrefillConfig(64, 64, 4, 1)
+    elif dtype.itemsize == 2:
+        cfg = PrefillConfig(128, 64, 8, 3) if dpad <= 128 else PrefillConfig(64, 64, 8, 2)
+    else:  # fp32 (tf32x3 dots, ~fp32 accurate) is for correctness, not speed: small tiles
+        cfg = PrefillConfig(32, 32, 4, 2) if dpad <= 128 else PrefillConfig(16, 32, 4, 1)
+    block_m = max(cfg.block_m, next_power_of_2(queries_per_kv), 16)
+    return PrefillConfig(block_m, cfg.tile_n, cfg.num_warps, cfg.num_stages)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many programs share one (sequence, KV head) in flash-decoding.
+
+    One program per (sequence, KV head) already fills the GPU when there are at least two
+    per SM; otherwise split each context so that about four programs run per SM, never into
+    pieces shorter than MIN_PARTITION tokens.
+    """
+    base = num_seqs * num_kv_heads
+    if base == 0 or max_seq_len <= MIN_PARTITION or base >= 2 * num_sms:
+        return 1
+    want = -(-4 * num_sms // base)
+    return max(1, min(want, -(-max_seq_len // MIN_PARTITION), MAX_SPLITS))
+
+
+def _partition(max_seq_len: int, num_splits: int, tile_n: int) -> tuple[int, int]:
+    """Partition size (a multiple of tile_n) and the split count it really gives."""
+    size = -(-max(max_seq_len, 1) // num_splits)
+    size = -(-size // tile_n) * tile_n
+    return size, -(-max(max_seq_len, 1) // size)
+
+
+def _dot_ieee(dtype: torch.dtype) -> bool:
+    # fp32 inputs: fp32-accurate products (3xTF32 on tensor cores; plain tf32 would cost
+    # ~1e-3 relative error).
+    return dtype == torch.float32
+
+
+def _interpreted(kernel: object) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def _upcast(kernel: object, dtype: torch.dtype) -> bool:
+    """bfloat16 dots must run in fp32 under the interpreter (see ``_attend_tile``)."""
+    return dtype == torch.bfloat16 and _interpreted(kernel)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    kernels = kernels_for(key.device)
+    kernels.reshape_and_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_HEADS=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
+        BLOCK_SIZE=key_cache.shape[1], num_warps=4,
+    )  # fmt: skip
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None,
+    out: torch.Tensor,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return out
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    qpk = num_heads // num_kv_heads
+    kernels = kernels_for(query.device)
+    cfg = config or decode_config(head_dim, query.dtype, _interpreted(kernels.decode_kernel))
+    dpad = padded_head_dim(head_dim)
+    # Without a hint, the block table's width bounds every context (no device sync needed).
+    bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, bound, sm_count(query.device))
+    partition, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
+    upcast = _upcast(kernels.decode_kernel, query.dtype)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_lse = out  # unused by the kernel
+        partition = 1 << 30  # one program covers any context
+    kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
+        scale * 1.4426950408889634, partition,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
+        SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split:
+        kernels.decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, partition, num_splits,
+            out.stride(0), out.stride(1),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    qpk = num_heads // num_kv_heads
+    kernel = kernels_for(query.device).prefill_kernel
+    cfg = config or prefill_config(head_dim, query.dtype, qpk, _interpreted(kernel))
+    block_q = cfg.block_m // qpk
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    kernel[grid](
+        out, query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens,
+        scale * 1.4426950408889634, num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=qpk, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
+        TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernel, query.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def copy_blocks(cache3: torch.Tensor, mapping: torch.Tensor) -> None:
+    """``cache3``: a ``[layers, num_blocks, block_elems]`` view with contiguous blocks;
+    ``mapping``: contiguous ``[n, 2]`` (src, dst) on the cache's device."""
+    num_pairs = mapping.shape[0]
+    layers, _, block_elems = cache3.shape
+    if num_pairs == 0 or layers == 0 or block_elems == 0:
+        return
+    chunk = min(4096, next_power_of_2(block_elems))
+    grid = (num_pairs, layers, -(-block_elems // chunk))
+    kernels_for(cache3.device).copy_blocks_kernel[grid](
+        cache3, mapping, cache3.stride(0), cache3.stride(1),
+        BLOCK_ELEMS=block_elems, CHUNK=chunk, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,157 @@
+"""Compile every Triton kernel variant the tests use for an H100/H200 (sm_90) on a machine
+without a GPU, and print each variant's registers, spills and shared memory.
+
+Catches front-end errors (and Triton-version differences) before any GPU time is spent, and
+shows whether a tile configuration spills. Usage (from the repo root):
+
+    .venv/bin/python packages/pagedattn-kernels/tools/compile_sm90.py [--quick]
+
+Run it with another Triton on PYTHONPATH to check that version too. It swaps Triton's active
+driver for a stub that names an sm_90 target, so it must run in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+from pagedattn_kernels import triton_kernels as compiled
+from pagedattn_kernels import triton_ops
+
+
+class _StubDriver:
+    """Just enough of a driver for JITFunction.run(warmup=True) to compile for sm_90."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+RESULTS: list[tuple[str, str, dict]] = []
+
+
+class _Warmup:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            t = time.perf_counter()
+            ck = self.kernel.warmup(*args, grid=grid, **kwargs)
+            info = _resources(ck)
+            info["compile_s"] = round(time.perf_counter() - t, 2)
+            consts = {k: v for k, v in kwargs.items() if k.isupper() or k.startswith("num_")}
+            dtype = next((str(a.dtype) for a in args if isinstance(a, torch.Tensor)), "?")
+            RESULTS.append((self.kernel.__name__, f"{dtype} {consts}", info))
+
+        return launch
+
+
+def _resources(ck) -> dict:
+    cubin = ck.asm.get("cubin")
+    info = {"shared": ck.metadata.shared}
+    if cubin is None:
+        return info
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if m:
+        info.update(regs=int(m[1]), stack=int(m[2]), local=int(m[4]))
+    info["wgmma"] = "wgmma" in ck.asm.get("ptx", "")
+    return info
+
+
+def _proxy() -> SimpleNamespace:
+    return SimpleNamespace(
+        **{
+            name: _Warmup(getattr(compiled, name))
+            for name in (
+                "reshape_and_cache_kernel",
+                "decode_kernel",
+                "decode_reduce_kernel",
+                "prefill_kernel",
+                "copy_blocks_kernel",
+            )
+        }
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one variant per kernel")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="only this dtype")  # fmt: skip
+    ap.add_argument("--head-dim", type=int, default=None, help="only this head dim")
+    args = ap.parse_args()
+    triton.runtime.driver.set_active(_StubDriver())
+    proxy = _proxy()
+    triton_ops.kernels_for = lambda device: proxy  # compile, never launch
+
+    dims = [64, 80, 96, 128, 256]
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    variants = [] if args.dtype or args.head_dim else [(128, torch.bfloat16, 16, 4)]
+    if not args.quick:
+        variants += [(d, dt, bs, g) for d in dims for dt in dtypes for bs, g in [(16, 4)]]
+    variants = [
+        v for v in variants
+        if (args.dtype is None or v[1] == getattr(torch, args.dtype))
+        and (args.head_dim is None or v[0] == args.head_dim)
+    ]  # fmt: skip
+    seen = set()
+    for head_dim, dtype, block_size, group in variants:
+        if (head_dim, dtype, block_size, group) in seen:
+            continue
+        seen.add((head_dim, dtype, block_size, group))
+        hkv = 2
+        kc = torch.empty(64, block_size, hkv, head_dim, dtype=dtype)
+        q = torch.empty(8, hkv * group, head_dim, dtype=dtype)
+        bt = torch.zeros(2, 32, dtype=torch.int32)
+        lens = torch.tensor([100, 5], dtype=torch.int32)
+        cu = torch.tensor([0, 6, 8], dtype=torch.int32)
+        triton_ops.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q))
+        qd = q[:2].contiguous()
+        for splits in (1, 4):
+            triton_ops.paged_decode_attention(
+                qd, kc, kc, bt, lens, 0.1, 512, torch.empty_like(qd), num_splits=splits
+            )
+        triton_ops.reshape_and_cache(
+            q[:, :hkv].contiguous(), q[:, :hkv].contiguous(), kc, kc,
+            torch.zeros(8, dtype=torch.int64),
+        )  # fmt: skip
+    triton_ops.copy_blocks(torch.empty(4, 64, 2048, dtype=torch.bfloat16),
+                           torch.zeros(3, 2, dtype=torch.int64))  # fmt: skip
+    print(f"triton {triton.__version__}: compiled {len(RESULTS)} variants for sm_90")
+    for name, consts, info in RESULTS:
+        keep = ("regs", "stack", "shared", "wgmma", "compile_s")
+        short = {k: info[k] for k in keep if k in info}
+        print(f"{name:26s} {short} {consts}")
+    bad = [r for r in RESULTS if r[2].get("local", 0) or r[2].get("stack", 0)]
+    if bad:
+        print(f"{len(bad)} variants spill to local memory", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""paged_decode_attention (and paged_attention's all-decode route) against the float64
+reference: every head size, dtype, block size and GQA ratio, contexts of one token, exact
+block multiples and ragged lengths, and long contexts that take the flash-decoding split path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedattn_kernels as pk
+from pagedattn_kernels import reference
+from pagedattn_kernels.testing import (
+    TOLERANCE,
+    poisoned_like,
+    random_paged_batch,
+    rel_error,
+)
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (head_dim, dtype, block_size, queries per KV head): every head dim with every dtype once,
+# block sizes and GQA ratios (1 = MHA, 3, 4, 8) spread over them.
+CASES = [
+    (64, F32, 16, 1),
+    (64, BF16, 8, 8),
+    (64, F16, 32, 3),
+    (80, BF16, 8, 3),
+    (80, F32, 32, 4),
+    (80, F16, 16, 1),
+    (96, F16, 32, 4),
+    (96, BF16, 16, 1),
+    (96, F32, 8, 8),
+    (128, BF16, 16, 4),
+    (128, F32, 8, 3),
+    (128, F16, 32, 8),
+    (256, F32, 16, 8),
+    (256, BF16, 32, 1),
+    (256, F16, 8, 4),
+]
+
+
+def _case_id(case: tuple) -> str:
+    head_dim, dtype, block_size, group = case
+    return f"d{head_dim}-{str(dtype).removeprefix('torch.')}-bs{block_size}-g{group}"
+
+
+def _lens(block_size: int, full: bool, gen: torch.Generator) -> list[int]:
+    # One token, exact multiples of the block size, ragged lengths.
+    lens = [1, block_size, 3 * block_size, 2 * block_size + 5, 37]
+    if full:  # plus long contexts (split path) and a spread of random lengths
+        lens += [1000, 4099, 8205]
+        lens += torch.randint(1, 3000, (8,), generator=gen, device=gen.device).tolist()
+    return lens
+
+
+def _check(out, ref, dtype, seed, what):
+    err = rel_error(out, ref)
+    assert err < TOLERANCE[dtype], f"{what}: rel error {err:.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_decode_matches_reference(target, seed, case):
+    head_dim, dtype, block_size, group = case
+    gen = target.generator(seed)
+    num_kv_heads = 4 if target.full else 1
+    lens = _lens(block_size, target.full, gen)
+    batch = random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype, device=target.device,
+    )  # fmt: skip
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    out = pk.paged_decode_attention(*args, out=poisoned_like(batch.query), backend=target.backend)
+    ref = reference.paged_decode_attention(*args)
+    _check(out, ref, dtype, seed, "decode")
+    # The same batch through paged_attention: the decode route (max_query_len=1) and the
+    # general kernel with q_len = 1 everywhere.
+    for hint in (1, None):
+        out2 = pk.paged_attention(
+            *args, batch.cu_query_lens, max_query_len=hint,
+            out=poisoned_like(batch.query), backend=target.backend,
+        )  # fmt: skip
+        _check(out2, ref, dtype, seed, f"paged_attention max_query_len={hint}")
+
+
+SPLIT_CASES = [(80, BF16, 16, 3), (128, F16, 8, 4), (256, F32, 32, 1), (64, BF16, 32, 8)]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=_case_id)
+def test_decode_split_path(target, seed, case):
+    """Contexts long enough that flash-decoding splits them, with the automatic split count,
+    forced counts (including more splits than a short sequence has tokens for), the
+    max_seq_len hint, and a zero-length sequence (batch padding: zeros)."""
+    head_dim, dtype, block_size, group = case
+    gen = target.generator(seed)
+    if target.full:
+        lens, num_kv_heads, forced = [20000, 3, 9000, 1, 0], 2, (7, 40)
+    else:
+        lens, num_kv_heads, forced = [600, 3, 260, 0], 1, (2, 5)
+    batch = random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype, device=target.device,
+    )  # fmt: skip
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    ref = reference.paged_decode_attention(*args)
+    assert bool((ref[-1] == 0).all())
+    runs = [(None, None), (None, max(lens))]
+    if target.backend == "triton":
+        runs += [(forced[0], None), (forced[1], max(lens))]
+    for splits, hint in runs:
+        out = pk.paged_decode_attention(
+            *args, max_seq_len=hint, num_splits=splits,
+            out=poisoned_like(batch.query), backend=target.backend,
+        )  # fmt: skip
+        _check(out, ref, dtype, seed, f"num_splits={splits} max_seq_len={hint}")
+        assert bool((out[-1] == 0).all()), "a zero-length sequence must give zeros"
+
+
+def test_decode_scale_and_noncontiguous_query(target, seed):
+    """A custom scale, a query that is a strided view (as sliced from a fused QKV tensor), and
+    the allocated (not given) output."""
+    gen = target.generator(seed)
+    head_dim, group, num_kv_heads, block_size = 64, 4, 2, 16
+    lens = [5, 40, 17] if not target.full else [5, 4000, 170]
+    batch = random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=F32, device=target.device,
+    )  # fmt: skip
+    wide = torch.randn(len(lens), 3 * group * num_kv_heads, head_dim, generator=gen,
+                       device=target.device)  # fmt: skip
+    wide[:, : group * num_kv_heads] = batch.query
+    query = wide[:, : group * num_kv_heads]
+    assert not query.is_contiguous()
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    out = pk.paged_decode_attention(*args, scale=0.3, backend=target.backend)
+    ref = reference.paged_decode_attention(*args, scale=0.3)
+    _check(out, ref, F32, seed, "scale=0.3, strided query")

@@ -1,0 +1,67 @@
+"""The float64 reference itself, checked against an independent formulation (dense attention
+on the contiguous context, written as one masked matrix product per sequence), and the
+flash-decoding split choice."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedattn_kernels import reference
+from pagedattn_kernels.testing import random_paged_batch
+from pagedattn_kernels.triton_ops import _partition, choose_num_splits
+
+
+def _dense(query, k, v, q_len, scale):
+    """Attention of the last q_len positions of a contiguous context, all heads at once."""
+    seq_len, num_kv_heads, _ = k.shape
+    group = query.shape[1] // num_kv_heads
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, seq, dim]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    q = query.transpose(0, 1)  # [heads, q_len, dim]
+    scores = q @ k.transpose(1, 2) * scale
+    pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(0, 1)
+
+
+def test_reference_matches_dense_attention(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lens, q_lens = [1, 17, 40, 33], [1, 17, 5, 1]
+    b = random_paged_batch(gen, lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=16,
+                           block_size=4, dtype=torch.float64)  # fmt: skip
+    out = reference.paged_attention(
+        b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.cu_query_lens,
+        scale=0.37,
+    )  # fmt: skip
+    cu = b.cu_query_lens.tolist()
+    for i, (n, q) in enumerate(zip(lens, q_lens)):
+        blocks = b.block_tables[i, : -(-n // 4)].long()
+        k = b.key_cache[blocks].reshape(-1, 2, 16)[:n]
+        v = b.value_cache[blocks].reshape(-1, 2, 16)[:n]
+        want = _dense(b.query[cu[i] : cu[i + 1]], k, v, q, 0.37)
+        assert torch.allclose(out[cu[i] : cu[i + 1]], want, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_cache_ops():
+    kc = torch.zeros(2, 4, 1, 2)
+    vc = torch.zeros(2, 4, 1, 2)
+    key = torch.arange(6.0).reshape(3, 1, 2)
+    reference.reshape_and_cache(key, -key, kc, vc, torch.tensor([5, -1, 0]))
+    assert kc[1, 1].tolist() == [[0.0, 1.0]] and kc[0, 0].tolist() == [[4.0, 5.0]]
+    assert vc[1, 1].tolist() == [[-0.0, -1.0]] and int((kc != 0).sum()) == 3
+    kv = torch.arange(2 * 3 * 2.0).reshape(2, 3, 1, 1, 2)
+    reference.copy_blocks(kv, torch.tensor([[0, 2]]))
+    assert torch.equal(kv[:, 2], kv[:, 0])
+
+
+def test_split_choice():
+    # 1 sequence x 8 KV heads on 132 SMs, 32k context: ~4 programs per SM in 512-token parts.
+    splits = choose_num_splits(1, 8, 32768, 132)
+    size, real = _partition(32768, splits, 64)
+    assert (splits, size, real) == (66, 512, 64)
+    # Enough (sequence, KV head) pairs to fill the GPU: no split.
+    assert choose_num_splits(64, 8, 4096, 132) == 1
+    # Short contexts are never split below 256 tokens.
+    assert choose_num_splits(1, 1, 600, 132) == 3
+    assert choose_num_splits(4, 8, 256, 132) == 1
+    assert choose_num_splits(0, 8, 4096, 132) == 1
