@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (NVIDIA H200, torch 2.11, triton 3.6, no network): put the carried
+# wheels and this checkout's packages on the path, run every `gpu` test, then the benchmarks.
+# Logs and JSON results go under $OUT. Run from the repository root:
+#   bash scripts/gpu_run.sh [tests|kernels|engine|all]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/pagedkv-gpu-out}"
+mkdir -p "$OUT"
+what="${1:-all}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+src=""
+for p in kvblocks pagedattn-kernels scheduler engine server; do src="$src:$PWD/packages/$p/src"; done
+export PYTHONPATH="/tmp/site$src"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+  git rev-parse --short HEAD 2>/dev/null || true
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if [[ "$what" == all || "$what" == tests ]]; then
+  timeout 420 python3 -m pytest -m gpu tests/kernels tests/engine -q -p no:cacheprovider -rs --durations=10 \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if [[ "$what" == all || "$what" == kernels ]]; then
+  timeout 300 python3 -m pagedattn_kernels.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
+fi
