@@ -37,6 +37,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "top_k": -2}, "top_k"),
     ({"prompt": "hi", "min_p": 1.5}, "min_p"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 5e-324}, "repetition_penalty"),
     ({"prompt": "hi", "seed": 2**70}, "seed"),
     ({"prompt": "hi", "stream_options": {"include_usage": "yes please"}}, "stream_options"),
     ({"max_tokens": 2}, "prompt"),

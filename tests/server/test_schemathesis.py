@@ -78,8 +78,8 @@ def _fuzz(
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         try:
             case.validate_response(response, checks=checks)
-        except Exception as exc:  # collect, so one run reports every distinct problem
-            failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:500]}")
+        except (Exception, BaseExceptionGroup) as exc:  # collect every distinct problem
+            failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:1500]}")
 
     run()
 

@@ -31,7 +31,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from pagedkv.server._engine_api import EngineArgs
+    from pagedkv.engine import EngineArgs
 
     g = parser.add_argument_group("server options")
     g.add_argument(
@@ -121,7 +121,7 @@ def _model_name(engine: Any, args: argparse.Namespace) -> str:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from pagedkv.server._engine_api import AsyncLLMEngine, EngineArgs
+    from pagedkv.engine import AsyncLLMEngine, EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
     logger.info("loading the engine (model: %s)", engine_args.model or "embedded default")

@@ -56,7 +56,11 @@ class _SamplingFields(BaseModel):
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX, description="-1 or 0: off")
     min_p: float | None = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    # A penalty near 0 divides logits by it: 1e-300 turns them into inf. The bounds keep the
+    # penalised logits finite for any model (|logit| < 1e4 -> < 1e6).
+    repetition_penalty: float | None = Field(
+        1.0, ge=0.01, le=100.0, allow_inf_nan=False, description="1 = off; vLLM's meaning"
+    )
     stop_token_ids: list[TokenId] | None = Field(None, max_length=1024)
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0, le=INT64_MAX)

@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from pagedkv.server._engine_api import SamplingParams
+from pagedkv.engine import SamplingParams
 from pagedkv.server.errors import APIError, bad_request, error_body
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -47,6 +47,7 @@ from pagedkv.server.streams import (
     aclose_quietly,
     merge_streams,
     run_unless_disconnected,
+    start_stream,
 )
 
 logger = logging.getLogger(__name__)
@@ -273,6 +274,29 @@ class OpenAIServing:
             return APIError(503, f"the engine loop has stopped: {exc}")
         return None
 
+    async def _start_streams(
+        self,
+        prompts: list[PreparedPrompt],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        suffix: bool = True,
+    ) -> list[AsyncIterator[Any]]:
+        """Start one engine stream per prompt; a request the engine rejects is a 400 here."""
+        started: list[AsyncIterator[Any]] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = f"{request_id}-{i}" if suffix else request_id
+                started.append(await start_stream(self.tracked(p.token_ids, params, rid)))
+        except Exception as exc:
+            for it in started:
+                await aclose_quietly(it)
+            err = self._engine_error(exc)
+            if err is None:
+                raise
+            raise err from exc
+        return started
+
     async def _collect(
         self, prompts: list[PreparedPrompt], params: SamplingParams, request_id: str
     ) -> list[Any]:
@@ -332,7 +356,10 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if stream:
-            return self._stream_completion(req, model, prompts, params, request_id, created)
+            streams = await self._start_streams(prompts, params, request_id)
+            return self._stream_completion(
+                req, model, prompts, params, request_id, created, streams
+            )
         finals = await self._generate_all(raw_request, prompts, params, request_id)
         choices: list[CompletionChoice] = []
         completion_tokens = 0
@@ -438,14 +465,12 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         created: int,
+        streams: list[AsyncIterator[Any]],
     ) -> AsyncIterator[str]:
         n = params.n
         states: dict[int, _ChoiceState] = {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens: dict[int, int] = {}
-        streams = [
-            self.tracked(p.token_ids, params, f"{request_id}-{i}") for i, p in enumerate(prompts)
-        ]
         merged = merge_streams(streams)
         try:
             async for i, out in merged:
@@ -542,7 +567,10 @@ class OpenAIServing:
         created = int(time.time())
         prompt = PreparedPrompt(None, prompt_ids)
         if stream:
-            return self._stream_chat(req, model, prompt, params, request_id, created, num_top)
+            (started,) = await self._start_streams([prompt], params, request_id, suffix=False)
+            return self._stream_chat(
+                req, model, prompt, params, request_id, created, num_top, started
+            )
         (out,) = await self._generate_all(raw_request, [prompt], params, request_id)
         choices = []
         completion_tokens = 0
@@ -610,6 +638,7 @@ class OpenAIServing:
         request_id: str,
         created: int,
         num_top: int,
+        stream: AsyncIterator[Any],
     ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         states: dict[int, _ChoiceState] = {}
@@ -622,7 +651,6 @@ class OpenAIServing:
             )
             return sse(body.model_dump(mode="json", exclude=exclude))
 
-        stream = self.tracked(prompt.token_ids, params, request_id)
         try:
             async for out in stream:
                 for o in out.outputs:

@@ -105,3 +105,41 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientDisconnected("client disconnected before the answer was ready")
     return task.result()
+
+
+async def start_stream(it: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Start `it` now and return a stream of the same items.
+
+    The engine validates a request when its stream starts (before its first await). Running
+    the stream up to that point before the HTTP response begins turns a rejected request into
+    a proper 400 instead of an error event inside a 200 stream.
+    """
+
+    async def first_item() -> T:
+        return await it.__anext__()
+
+    first = asyncio.ensure_future(first_item())
+    await asyncio.sleep(0)  # the task runs up to its first suspension (or its error)
+    if first.done() and not first.cancelled() and first.exception() is not None:
+        exc = first.exception()
+        if not isinstance(exc, StopAsyncIteration):
+            await aclose_quietly(it)
+            raise exc  # type: ignore[misc]
+    return _resume(first, it)
+
+
+async def _resume(first: asyncio.Future[T], it: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        try:
+            item = await first
+        except StopAsyncIteration:
+            return
+        yield item
+        async for item in it:
+            yield item
+    finally:
+        if not first.done():
+            first.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(first, return_exceptions=True)
+        await aclose_quietly(it)
