@@ -260,6 +260,23 @@ def _fmt(value: Any) -> str:
     return json.dumps(value)
 
 
+def _images_of(path: Path) -> list[Path]:
+    """Images committed for a result file: same stem, or the stem then ``_`` or ``-``."""
+    return sorted(
+        p
+        for p in path.parent.iterdir()
+        if p.suffix.lower() in IMAGE_SUFFIXES
+        and (p.stem == path.stem or p.stem.startswith((path.stem + "_", path.stem + "-")))
+    )
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    """Nested dicts as dotted keys: {"a": {"b": 1}} -> [("a.b", 1)]."""
+    if isinstance(value, dict):
+        return [kv for k, v in value.items() for kv in _flatten(f"{prefix}.{k}", v)]
+    return [(prefix, value)]
+
+
 def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
 
@@ -340,23 +357,35 @@ class PerformanceDirective(SphinxDirective):
         if command:
             cmd = command if isinstance(command, str) else " ".join(map(str, command))
             lines += ["Command:", "", ".. code-block:: bash", "", f"   {cmd}", ""]
-        setup = [
-            (key, data[key])
-            for key in META_KEYS
-            if key in data
-            and key not in ("title", "benchmark", "name", "description", "command", "plot", "plots")
-        ]
+        setup: list[tuple[str, Any]] = []
+        for key in META_KEYS:
+            if key in data and key not in (
+                "title", "benchmark", "name", "description", "command", "plot", "plots",
+            ):  # fmt: skip
+                if key == "setup" and isinstance(data[key], dict):
+                    setup += [(k.split(".", 1)[1], v) for k, v in _flatten(key, data[key])]
+                else:
+                    setup.append((key, data[key]))
+        committed = [p for p in sorted(_images_of(path)) if p.suffix.lower() in IMAGE_SUFFIXES]
+        self._draw = not committed  # a committed plot is the one to show, not a redrawn one
         if setup:
             lines += _list_table(
                 ["setup", ""], [[_esc(k), _esc(_fmt(v))] for k, v in setup], "Setup"
             )
         figures = {k: v for k, v in data.items() if k not in META_KEYS}
         scalars = [(k, v) for k, v in figures.items() if _is_scalar(v)]
-        flat_dicts = {
-            k: v
-            for k, v in figures.items()
-            if isinstance(v, dict) and v and all(_is_scalar(x) for x in v.values())
-        }
+        # A dict of figures may mix scalars with lists of rows (a sweep): split the two.
+        flat_dicts: dict[str, dict] = {}
+        sweeps: dict[str, list[dict]] = {}
+        for k, v in figures.items():
+            if not isinstance(v, dict) or not v or all(isinstance(x, dict) for x in v.values()):
+                continue
+            scalars_of_k = {a: b for a, b in v.items() if _is_scalar(b)}
+            if scalars_of_k:
+                flat_dicts[k] = scalars_of_k
+            for a, b in v.items():
+                if isinstance(b, list) and b and all(isinstance(r, dict) for r in b):
+                    sweeps.setdefault(a, []).extend({"series": k, **r} for r in b)
         # Sibling dicts with the same keys (one per policy, say) make one table together.
         by_keys: dict[tuple[str, ...], dict[str, dict]] = {}
         for key, sub in flat_dicts.items():
@@ -373,6 +402,8 @@ class PerformanceDirective(SphinxDirective):
         for group in grouped:
             name = "by " + ", ".join(group)[:60]
             lines += self._dict_of_dicts(path, "_".join(group)[:60], group, out_dir, title=name)
+        for key, rows in sweeps.items():
+            lines += self._rows(path, key, rows, out_dir)
         for key, value in figures.items():
             if (
                 isinstance(value, dict)
@@ -398,7 +429,7 @@ class PerformanceDirective(SphinxDirective):
                     f".. warning:: ``{path.name}`` names a plot ``{name}`` that is not committed.",
                     "",
                 ]
-        for image in sorted(path.parent.glob(path.stem + "*")):
+        for image in sorted(_images_of(path)):
             if image.suffix.lower() in IMAGE_SUFFIXES and image.resolve() not in used_images:
                 used_images.add(image.resolve())
                 lines += self._image(image, caption=_esc(image.stem.replace("_", " ")))
@@ -416,7 +447,7 @@ class PerformanceDirective(SphinxDirective):
         ]
         lines = _list_table([" ", *(f"``{c}``" for c in columns)], rows, _esc(title or key))
         numeric = [c for c in columns if all(_is_number(sub.get(c)) for sub in value.values())]
-        if numeric:
+        if numeric and self._draw:
             image = self._bar_plot(path, key, value, numeric, out_dir)
             if image is not None:
                 lines += self._image(image, caption=f"{_esc(title or key)}, from ``{path.name}``")
@@ -429,7 +460,7 @@ class PerformanceDirective(SphinxDirective):
         body = [[_esc(_fmt(row.get(c))) for c in columns] for row in rows]
         lines = _list_table([f"``{c}``" for c in columns], body, _esc(key))
         numeric = [c for c in columns if all(_is_number(r.get(c)) for r in rows if c in r)]
-        if len(numeric) >= 2:
+        if len(numeric) >= 2 and self._draw:
             image = self._line_plot(path, key, rows, columns, numeric, out_dir)
             if image is not None:
                 lines += self._image(image, caption=f"{_esc(key)}, from ``{path.name}``")
@@ -516,6 +547,7 @@ class PerformanceDirective(SphinxDirective):
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
+    app.setup_extension("sphinx.ext.autodoc")  # for its autodoc-process-docstring event
     app.add_config_value("pagedkv_packages", [], "env", types=[list])
     app.connect("config-inited", _on_config_inited)
     # before napoleon (priority 500), so its sections see clean reST
