@@ -6,10 +6,7 @@ Session-scoped and cheap to reuse: the embedded GGUF is parsed once per session 
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,90 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-
-# --------------------------------------------------------------------------- kernel fallback
-# Until pagedattn_kernels exports its ops, a minimal private torch version stands in (tests only).
-def _kernels_ready() -> bool:
-    try:
-        pk = importlib.import_module("pagedattn_kernels")
-    except Exception:
-        return False
-    return all(
-        hasattr(pk, n) for n in ("reshape_and_cache", "paged_attention", "paged_decode_attention")
-    )
-
-
-def _fallback_kernels() -> types.ModuleType:
-    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-        slots = slot_mapping.long()
-        keep = slots >= 0
-        bs = key_cache.shape[1]
-        s = slots[keep]
-        key_cache[s // bs, s % bs] = key[keep].to(key_cache.dtype)
-        value_cache[s // bs, s % bs] = value[keep].to(value_cache.dtype)
-
-    def paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        cu_query_lens,
-        *,
-        scale=None,
-        max_query_len=None,
-        max_seq_len=None,
-        out=None,
-    ):
-        heads, dim = query.shape[1], query.shape[2]
-        scale = dim**-0.5 if scale is None else scale
-        bs = key_cache.shape[1]
-        result = torch.empty_like(query)
-        for i, n in enumerate(seq_lens.tolist()):
-            lo, hi = cu_query_lens[i].item(), cu_query_lens[i + 1].item()
-            nblocks = -(-n // bs)
-            blocks = block_tables[i, :nblocks].long()
-            k = key_cache[blocks].reshape(-1, *key_cache.shape[2:])[:n]
-            v = value_cache[blocks].reshape(-1, *value_cache.shape[2:])[:n]
-            rep = heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            q = query[lo:hi]
-            scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-            qpos = torch.arange(n - (hi - lo), n)[:, None]
-            scores = scores.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
-            result[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
-        return result
-
-    def paged_decode_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        *,
-        scale=None,
-        max_seq_len=None,
-        out=None,
-    ):
-        cu = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-        return paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, cu, scale=scale
-        )
-
-    mod = types.ModuleType("pagedattn_kernels")
-    mod.reshape_and_cache = reshape_and_cache
-    mod.paged_attention = paged_attention
-    mod.paged_decode_attention = paged_decode_attention
-    mod.__test_fallback__ = True
-    return mod
-
-
-if not _kernels_ready():
-    sys.modules["pagedattn_kernels"] = _fallback_kernels()
-
-from pagedkv.engine.attention import AttentionMetadata  # noqa: E402
-from pagedkv.engine.config import ModelConfig, embedded_model_path  # noqa: E402
-from pagedkv.engine.model_loader import load_model  # noqa: E402
+from pagedkv.engine.attention import AttentionMetadata
+from pagedkv.engine.config import ModelConfig, embedded_model_path
+from pagedkv.engine.model_loader import load_model
 
 # --------------------------------------------------------------------------- paged greedy driver
 
@@ -199,36 +115,29 @@ def paged_greedy_generate(
 def hf_greedy_generate(
     hf_model: Any, prompts: list[list[int]], max_new_tokens: int
 ) -> GreedyResult:
-    """Reference greedy decoding with transformers' ``generate`` (its own KV cache), one prompt
-    at a time (no padding), never stopping at EOS; logits are the raw, unprocessed ones."""
-    import copy
+    """Reference greedy decoding with transformers: its own model code and ``DynamicCache``, one
+    prompt at a time (no padding), never stopping at EOS (``generate`` would, whatever its
+    config says)."""
+    import inspect
 
+    from transformers import DynamicCache
+
+    params = inspect.signature(hf_model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
     device = next(hf_model.parameters()).device
-    gen_config = copy.deepcopy(hf_model.generation_config)
-    gen_config.update(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-        repetition_penalty=None,
-        temperature=None,
-        top_k=None,
-        top_p=None,
-    )
     out = GreedyResult(tokens=[], logits=[])
     with torch.inference_mode():
         for prompt in prompts:
-            res = hf_model.generate(
-                torch.tensor([prompt], device=device), generation_config=gen_config
-            )
-            rows = [step[0].float().cpu() for step in res.logits]
-            out.tokens.append(res.sequences[0, len(prompt) :].tolist())
+            cache = DynamicCache()
+            step_ids = torch.tensor([prompt], device=device)
+            toks, rows = [], []
+            for _ in range(max_new_tokens):
+                logits = hf_model(input_ids=step_ids, use_cache=True, **{cache_arg: cache}).logits
+                rows.append(logits[0, -1].float().cpu())
+                toks.append(int(rows[-1].argmax()))
+                step_ids = torch.tensor([[toks[-1]]], device=device)
+            out.tokens.append(toks)
             out.logits.append(rows)
-            if [int(r.argmax()) for r in rows] != out.tokens[-1]:
-                raise AssertionError("transformers' greedy choice differs from its raw logits")
     return out
 
 
@@ -265,12 +174,9 @@ def embedded_model(embedded_model_config: ModelConfig) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="session")
-def embedded_tokenizer(embedded_gguf_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        str(embedded_gguf_path.parent), gguf_file=embedded_gguf_path.name
-    )
+def embedded_tokenizer(embedded_model_config: ModelConfig) -> Any:
+    """The embedded model's tokenizer and chat template (read from the GGUF by transformers)."""
+    return embedded_model_config.get_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ PROMPTS = [
 GREEDY_PROMPTS = PROMPTS[:2]
 NEW_TOKENS = 32
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def test_config_matches_transformers_reading_of_the_gguf(embedded_model_config, hf_embedded_model):
     ours, theirs = embedded_model_config, hf_embedded_model.config

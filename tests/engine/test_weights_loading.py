@@ -341,6 +341,44 @@ def test_bad_model_folders_and_options(tmp_path, tiny_checkpoint):
         load_model(config, load_format="gguf", device="cpu")
 
 
+def test_sliding_window_limits_the_default_context(tmp_path, caplog):
+    transformers.MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=64,
+    ).save_pretrained(tmp_path)
+    config = ModelConfig.from_model(tmp_path, load_format="dummy", device="cpu")
+    assert (config.sliding_window, config.max_model_len) == (64, 64)
+    assert "sliding-window" in caplog.text
+    longer = ModelConfig.from_model(tmp_path, load_format="dummy", max_model_len=256, device="cpu")
+    assert longer.max_model_len == 256
+
+
+@pytest.mark.parametrize(
+    "rope", [{"rope_type": "yarn", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0}]
+)
+def test_unsupported_rope_scaling_is_a_value_error(tmp_path, rope):
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
+    cfg_dict = cfg.to_dict()
+    cfg_dict.pop("rope_parameters", None)
+    cfg_dict["rope_scaling"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(cfg_dict))
+    with pytest.raises(ValueError, match=rope["rope_type"]):
+        ModelConfig.from_model(tmp_path, load_format="dummy", device="cpu")
+
+
 def test_checkpoint_not_matching_its_config_is_a_value_error(tiny_checkpoint, tmp_path):
     shutil.copytree(tiny_checkpoint("llama-gqa-tied").folder, tmp_path, dirs_exist_ok=True)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedkv.engine.models import architecture_for
+from pagedkv.engine.models.layers import rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class ModelConfig:
             name = str(folder)
         architecture = architecture_for(getattr(hf_config, "model_type", None) or "")
         shape = _shape(architecture, hf_config)
+        if architecture == "llama":
+            rope_inv_freq(hf_config, shape["head_dim"])  # unsupported RoPE types fail here
         cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
         resolved_dtype = (
             _auto_dtype(hf_config, gguf_file is not None, cuda)
