@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,6 @@ class ModelConfig:
     gguf_file: str | None = None  # file name inside ``path`` when the weights are GGUF
     load_format: str = "auto"  # as asked; "auto" means safetensors or gguf by the files
     sliding_window: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_model(
