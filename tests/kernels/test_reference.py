@@ -55,13 +55,16 @@ def test_reference_cache_ops():
 
 
 def test_split_choice():
-    # 1 sequence x 8 KV heads on 132 SMs, 32k context: ~4 programs per SM in 512-token parts.
+    # 1 sequence x 8 KV heads on 132 SMs with 2 program slots each, 32k context: one wave of
+    # 32 splits of 1024 tokens (256 programs).
     splits = choose_num_splits(1, 8, 32768, 132)
-    size, real = _partition(32768, splits, 64)
-    assert (splits, size, real) == (66, 512, 64)
-    # Enough (sequence, KV head) pairs to fill the GPU: no split.
+    size, real = _partition(32768, splits, 128)
+    assert (splits, size, real) == (33, 1024, 32)
+    # 16 sequences: 2 splits; enough (sequence, KV head) pairs to fill the GPU: no split.
+    assert choose_num_splits(16, 8, 4096, 132) == 2
     assert choose_num_splits(64, 8, 4096, 132) == 1
     # Short contexts are never split below 256 tokens.
     assert choose_num_splits(1, 1, 600, 132) == 3
     assert choose_num_splits(4, 8, 256, 132) == 1
     assert choose_num_splits(0, 8, 4096, 132) == 1
+    assert choose_num_splits(1, 8, 32768, 132, per_sm=4) == 66

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -61,11 +62,12 @@ class Setup:
 
 
 def _time(fn: Callable[[], object], device: torch.device) -> float:
-    """Median seconds per call."""
+    """Median seconds per call: CUDA events around each call with L2 flushed before it
+    (``do_bench``). Host time of a call beyond the flush's ~60 us shows up here."""
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") / 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=60, return_mode="median") / 1e3
     fn()
     times = []
     for _ in range(5):
@@ -73,6 +75,46 @@ def _time(fn: Callable[[], object], device: torch.device) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _time_graph(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Median seconds per call replayed from a CUDA graph (no host overhead, as the engine
+    runs decode; L2 not flushed between calls). None where capture fails."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / 1e3
+    except Exception:  # e.g. a backend that cannot be captured
+        torch.cuda.synchronize()
+        return None
+
+
+def _host_us(fn: Callable[[], object], device: torch.device, n: int = 200) -> float:
+    """Host time per call (launches queued, not waited for)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return host * 1e6
+
+
+def _warm_gpu(device: torch.device, seconds: float = 0.3) -> None:
+    """Keep the GPU busy for a moment so that timings start at full clocks."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: torch.device, quick: bool) -> float:
@@ -99,9 +141,9 @@ def fastest_sdpa(
     v: torch.Tensor,
     causal: bool,
     repeat_ok: bool,
-) -> tuple[float, str, torch.Tensor | None]:
+) -> tuple[float, str, torch.Tensor | None, Callable[[], object] | None]:
     """Fastest SDPA over the available backends, with enable_gqa and (where memory allows)
-    with K/V repeated per query head. Returns (seconds, label, output)."""
+    with K/V repeated per query head. Returns (seconds, label, output, the call)."""
     from torch.nn.attention import sdpa_kernel
 
     group = q.shape[1] // k.shape[1]
@@ -110,22 +152,28 @@ def fastest_sdpa(
         layouts.append(
             ("repeat", k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False)
         )
-    best: tuple[float, str, torch.Tensor | None] = (math.inf, "none", None)
+    best: tuple[float, str, torch.Tensor | None, Callable[[], object] | None] = (
+        math.inf, "none", None, None,
+    )  # fmt: skip
     for layout, kk, vv, gqa in layouts:
         for name, backend in _sdpa_backends(q.device):
 
-            def run(kk=kk, vv=vv, gqa=gqa) -> torch.Tensor:
-                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa)
-
-            ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
-            try:
+            def run(kk=kk, vv=vv, gqa=gqa, backend=backend) -> torch.Tensor:
+                ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
                 with ctx:
+                    return F.scaled_dot_product_attention(
+                        q, kk, vv, is_causal=causal, enable_gqa=gqa
+                    )
+
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
                     out = run()
                     seconds = _time(run, q.device)
             except RuntimeError:
                 continue  # this backend does not take these inputs
             if seconds < best[0]:
-                best = (seconds, f"{name}/{layout}", out)
+                best = (seconds, f"{name}/{layout}", out, run)
     return best
 
 
@@ -187,32 +235,47 @@ def decode_row(
 
     ours()
     seconds = _time(ours, setup.device)
+    graph_s = _time_graph(ours, setup.device)
     result = out.clone()
     k4 = _contiguous(kc, tables, context)
     v4 = _contiguous(vc, tables, context)
     repeat_ok = _fits(setup, 2 * kv_bytes * (setup.heads // setup.kv_heads))
-    sdpa_s, label, sdpa_out = fastest_sdpa(q.unsqueeze(2), k4, v4, False, repeat_ok)
+    sdpa_s, label, sdpa_out, sdpa_fn = fastest_sdpa(q.unsqueeze(2), k4, v4, False, repeat_ok)
+    sdpa_graph_s = _time_graph(sdpa_fn, setup.device) if sdpa_fn is not None else None
     err = rel_error(result, sdpa_out.squeeze(2).double()) if sdpa_out is not None else None
-    bw = kv_bytes / seconds
-    return {
+    row = {
         "batch": batch,
         "context": context,
         "us": seconds * 1e6,
-        "GBps": bw / 1e9,
-        "bw_frac": bw / copy_bw,
+        "GBps": kv_bytes / seconds / 1e9,
+        "bw_frac": kv_bytes / seconds / copy_bw,
         "sdpa_us": sdpa_s * 1e6,
         "sdpa": label,
         "vs_sdpa": sdpa_s / seconds,
         "rel_err_vs_sdpa": err,
     }
+    if graph_s is not None:
+        row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
+        if sdpa_graph_s is not None:
+            row.update(sdpa_graph_us=sdpa_graph_s * 1e6, graph_vs_sdpa=sdpa_graph_s / graph_s)
+    if batch == 1 and context == max(setup.contexts) and setup.device.type == "cuda":
+        row["host_us"] = _host_us(ours, setup.device)
+        if sdpa_fn is not None:
+            row["sdpa_host_us"] = _host_us(sdpa_fn, setup.device)
+    return row
 
 
 def _print_decode(row: dict) -> None:
+    graph = ""
+    if "graph_us" in row:
+        graph = f" | graph {row['graph_us']:8.1f} us {100 * row['graph_bw_frac']:5.1f}%"
+        if "graph_vs_sdpa" in row:
+            graph += f" SDPA {row['sdpa_graph_us']:8.1f} us x{row['graph_vs_sdpa']:.2f}"
+    host = f" | host {row['host_us']:.0f} us/call" if "host_us" in row else ""
     print(
         f"decode  B={row['batch']:<4d} ctx={row['context']:<6d} {row['us']:9.1f} us "
-        f"{row['GBps']:8.1f} GB/s  {100 * row['bw_frac']:5.1f}% of copy  "
-        f"SDPA {row['sdpa_us']:9.1f} us ({row['sdpa']})  x{row['vs_sdpa']:.2f}  "
-        f"err {row['rel_err_vs_sdpa']:.1e}",
+        f"{100 * row['bw_frac']:5.1f}% of copy  SDPA {row['sdpa_us']:9.1f} us "
+        f"({row['sdpa']}) x{row['vs_sdpa']:.2f} err {row['rel_err_vs_sdpa']:.1e}{graph}{host}",
         flush=True,
     )
 
@@ -255,7 +318,7 @@ def prefill_row(setup: Setup, tokens: int, gen: torch.Generator) -> dict:
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
     k4 = _contiguous(kc, tables, tokens)
     v4 = _contiguous(vc, tables, tokens)
-    sdpa_s, label, sdpa_out = fastest_sdpa(q4, k4, v4, True, True)
+    sdpa_s, label, sdpa_out, _ = fastest_sdpa(q4, k4, v4, True, True)
     err = None
     if sdpa_out is not None:
         err = rel_error(out, sdpa_out[0].transpose(0, 1).double())
@@ -291,7 +354,9 @@ def _sweep_decode(
     q = q.to(setup.dtype)
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim * q.element_size()
-    auto = to.choose_num_splits(batch, setup.kv_heads, context, to.sm_count(setup.device))
+    auto = to.choose_num_splits(
+        batch, setup.kv_heads, context, to.sm_count(setup.device), configs[0].per_sm
+    )
     rows: list[dict] = []
     for cfg in configs:
         for splits in sorted({*splits_list, auto}):
@@ -311,14 +376,19 @@ def _sweep_decode(
             try:
                 run()
                 seconds = _time(run, setup.device)
+                graph_s = _time_graph(run, setup.device)
             except Exception as exc:  # a tile shape that does not compile or fit
                 rows.append({**row, "error": repr(exc)[:200]})
                 continue
             row.update(us=seconds * 1e6, bw_frac=kv_bytes / seconds / copy_bw)
+            graph = ""
+            if graph_s is not None:
+                row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
+                graph = f" | graph {graph_s * 1e6:.1f} us {100 * row['graph_bw_frac']:.1f}%"
             rows.append(row)
             print(f"sweep decode B={batch} ctx={context} {asdict(cfg)} splits={splits}"
                   f"{' (auto)' if splits == auto else ''}: {seconds * 1e6:.1f} us "
-                  f"{100 * row['bw_frac']:.1f}% of copy", flush=True)  # fmt: skip
+                  f"{100 * row['bw_frac']:.1f}% of copy{graph}", flush=True)  # fmt: skip
     return rows
 
 
@@ -357,29 +427,25 @@ def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) 
 
     decode_cfgs = [
         to.decode_config(setup.head_dim, setup.dtype),
-        to.DecodeConfig(32, 4, 3),
-        to.DecodeConfig(128, 4, 2),
-        to.DecodeConfig(64, 8, 3),
-        to.DecodeConfig(64, 4, 4),
         to.DecodeConfig(64, 2, 3),
+        to.DecodeConfig(64, 4, 3),
+        to.DecodeConfig(128, 8, 2),
     ]
     decode: list[dict] = []
     for batch, context, splits_list in (
-        (64, 4096, [1, 2, 4]),
-        (1, 32768, [32, 48, 64, 96, 128]),
-        (16, 4096, [1, 2, 4, 8]),
+        (64, 4096, [1, 2]),
+        (1, 32768, [16, 32, 48, 64]),
+        (16, 4096, [1, 2, 3, 4]),
     ):
         decode += _sweep_decode(setup, batch, context, splits_list, decode_cfgs, copy_bw, gen,
                                 deadline)  # fmt: skip
     qpk = setup.heads // setup.kv_heads
     prefill_cfgs = [
         to.prefill_config(setup.head_dim, setup.dtype, qpk),
-        to.PrefillConfig(128, 128, 8, 3),
-        to.PrefillConfig(128, 64, 4, 3),
-        to.PrefillConfig(64, 64, 4, 3),
-        to.PrefillConfig(128, 32, 4, 4),
-        to.PrefillConfig(128, 64, 8, 4),
-        to.PrefillConfig(256, 64, 8, 3),
+        to.PrefillConfig(128, 128, 8, 2),
+        to.PrefillConfig(128, 64, 8, 3),
+        to.PrefillConfig(64, 128, 4, 3),
+        to.PrefillConfig(128, 128, 8, 4),
     ]
     prefill = _sweep_prefill(setup, 4096, prefill_cfgs, gen, deadline)
     return {"decode": decode, "prefill": prefill}
@@ -454,22 +520,28 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device=setup.device).manual_seed(1234)
     copy_bw = copy_bandwidth(setup.device, setup.quick)
     print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s (bytes read + written)", flush=True)
+    _warm_gpu(setup.device)
     prefill = bench_prefill(setup, gen)
+    _warm_gpu(setup.device)
     decode = bench_decode(setup, copy_bw, gen)
     swept = {}
     if not setup.quick and not args.no_sweeps:
         swept = sweeps(setup, copy_bw, gen, start + args.budget_s)
 
     print()
-    print(
-        f"{'B':>4} {'ctx':>6} {'us':>9} {'GB/s':>8} {'%copy':>6} {'SDPA us':>9} {'vs SDPA':>7}  SDPA backend"
-    )
+    print("decode (events: do_bench, L2 flushed | graph: CUDA-graph replay)")
+    print(f"{'B':>4} {'ctx':>6} {'us':>9} {'GB/s':>8} {'%copy':>6} {'SDPA us':>9} {'vs SDPA':>7}"
+          f" {'graph us':>9} {'%copy':>6} {'vs SDPA':>7}  SDPA backend")  # fmt: skip
     for r in decode:
         if "skipped" in r:
             print(f"{r['batch']:>4} {r['context']:>6}  skipped ({r['skipped']})")
             continue
+        g_us = f"{r['graph_us']:>9.1f}" if "graph_us" in r else f"{'-':>9}"
+        g_frac = f"{100 * r['graph_bw_frac']:>6.1f}" if "graph_bw_frac" in r else f"{'-':>6}"
+        g_vs = f"{r['graph_vs_sdpa']:>7.2f}" if "graph_vs_sdpa" in r else f"{'-':>7}"
         print(f"{r['batch']:>4} {r['context']:>6} {r['us']:>9.1f} {r['GBps']:>8.1f} "
-              f"{100 * r['bw_frac']:>6.1f} {r['sdpa_us']:>9.1f} {r['vs_sdpa']:>7.2f}  {r['sdpa']}")  # fmt: skip
+              f"{100 * r['bw_frac']:>6.1f} {r['sdpa_us']:>9.1f} {r['vs_sdpa']:>7.2f} "
+              f"{g_us} {g_frac} {g_vs}  {r['sdpa']}")  # fmt: skip
     print(f"\n{'tokens':>6} {'TFLOP/s':>8} {'SDPA':>8} {'vs SDPA':>7}  SDPA backend")
     for r in prefill:
         print(f"{r['tokens']:>6} {r['tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} {r['vs_sdpa']:>7.2f}  {r['sdpa']}")  # fmt: skip
@@ -490,6 +562,16 @@ def main(argv: list[str] | None = None) -> dict:
         if headline
         else None,
         "prefill_vs_sdpa_4k": _pick(prefill, "vs_sdpa", tokens=4096) if headline else None,
+        "decode_bw_frac_b64_c4k_graph": _pick(decode, "graph_bw_frac", batch=64, context=4096),
+        "decode_vs_sdpa_b64_c4k_graph": _pick(decode, "graph_vs_sdpa", batch=64, context=4096),
+        "decode_bw_frac_b1_c32k_graph": _pick(decode, "graph_bw_frac", batch=1, context=32768),
+        "decode_vs_sdpa_b1_c32k_graph": _pick(decode, "graph_vs_sdpa", batch=1, context=32768),
+        "decode_host_us_b1_c32k": _pick(decode, "host_us", batch=1, context=32768),
+        "timing": (
+            "headline keys: triton.testing.do_bench median, L2 flushed before each call "
+            "(host launch time beyond the flush is included); *_graph keys: CUDA-graph "
+            "replay median (do_bench_cudagraph), no host time, L2 not flushed"
+        ),
         "prefill_tflops_4k": _pick(prefill, "tflops", tokens=4096) if headline else None,
         "decode": decode,
         "prefill": prefill,

@@ -138,14 +138,14 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2
     if MASKED:
         keep = in_range[None, :]
         if CAUSAL:
             keep = keep & (pos[None, :] <= row_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-    p = tl.exp2(s - m_new[:, None])
+    # m_i is kept in scaled (log2) units; the scale folds into one FMA per score.
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
 
