@@ -1139,7 +1139,8 @@ def measure_preemption_cost(
     Swap: ``pagedattn_kernels.swap_blocks`` moves the blocks of every layer's K and V cache (the
     model's real shape) from the device cache to a host cache and back (pinned memory on a GPU).
     Recompute: one prefill forward pass of the same tokens through the real engine
-    (a request with ``max_tokens=1``). Medians over ``repeats``.
+    (a request with ``max_tokens=1``). Medians over ``repeats``, after one untimed warm-up of
+    each (first calls compile kernels).
     """
     import statistics
 
@@ -1159,6 +1160,9 @@ def measure_preemption_cost(
     out_map = torch.stack([perm, torch.arange(nblocks)], dim=1)
     in_map = torch.stack([torch.arange(nblocks), perm], dim=1)
     outs, ins = [], []
+    swap_blocks(gpu_cache, cpu_cache, out_map)  # warm-up: first-call costs are not the swap's
+    swap_blocks(cpu_cache, gpu_cache, in_map)
+    synchronize(dev)
     for _ in range(repeats):
         _, t = timed(lambda: swap_blocks(gpu_cache, cpu_cache, out_map), dev)
         outs.append(t)
@@ -1172,13 +1176,14 @@ def measure_preemption_cost(
         )
     ]
     recs = []
-    for i in range(repeats):
+    for i in range(-1, repeats):  # i = -1 warms up (kernel compilation, CUDA graphs)
         engine.add_request(f"recompute-{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0))
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
         synchronize(dev)
-        recs.append(time.perf_counter() - t0)
+        if i >= 0:
+            recs.append(time.perf_counter() - t0)
     return PreemptionCost(
         block_size,
         num_tokens,

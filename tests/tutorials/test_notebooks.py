@@ -80,10 +80,9 @@ def test_committed_without_outputs(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, jupyter_env, record_property):
+def test_notebook_runs(path, jupyter_env):
     nb, seconds = execute(path, jupyter_env)
     line = device_line(nb)
-    record_property("seconds", round(seconds, 1))
     print(f"{path.name}: {seconds:.1f} s, {line}")
     assert line.startswith("running on cpu") or line.startswith("running on cuda"), (
         f"{path.name} must print the device it runs on"
