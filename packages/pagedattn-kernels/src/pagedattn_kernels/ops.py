@@ -9,6 +9,8 @@ Triton's interpreter (slow; for tests).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagedattn_kernels import swap, torch_ops
@@ -24,17 +26,28 @@ from pagedattn_kernels.validation import (
 )
 
 
+@functools.cache
 def _triton_ops():  # imported lazily: CPU users need no triton
     from pagedattn_kernels import triton_ops
 
     return triton_ops
 
 
-def _check_triton_attention(op: str, query: torch.Tensor, key_cache, value_cache) -> None:
+def _check_triton_attention(
+    op: str, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    out: torch.Tensor,
+) -> None:  # fmt: skip
     limit = _triton_ops().MAX_HEAD_DIM
+    if (
+        query.shape[2] <= limit
+        and key_cache.stride(-1) == 1
+        and value_cache.stride(-1) == 1
+        and out.stride(-1) == 1
+    ):
+        return
     if query.shape[2] > limit:
         raise fail(op, f"the Triton kernels take head dims up to {limit}; use backend='torch'")
-    check_unit_stride(op, key_cache=key_cache, value_cache=value_cache)
+    check_unit_stride(op, key_cache=key_cache, value_cache=value_cache, out=out)
 
 
 def reshape_and_cache(
@@ -92,8 +105,7 @@ def paged_attention(
         return torch_ops.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out
         )
-    _check_triton_attention(op, query, key_cache, value_cache)
-    check_unit_stride(op, out=out)
+    _check_triton_attention(op, query, key_cache, value_cache, out)
     query = query if query.stride(-1) == 1 else query.contiguous()
     if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
         return _triton_ops().paged_decode_attention(
@@ -136,8 +148,7 @@ def paged_decode_attention(
         return torch_ops.paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, scale, out
         )
-    _check_triton_attention(op, query, key_cache, value_cache)
-    check_unit_stride(op, out=out)
+    _check_triton_attention(op, query, key_cache, value_cache, out)
     query = query if query.stride(-1) == 1 else query.contiguous()
     return _triton_ops().paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,

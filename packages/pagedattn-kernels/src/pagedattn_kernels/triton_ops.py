@@ -181,13 +181,11 @@ def paged_decode_attention(
     partition, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
     upcast = _upcast(kernels.decode_kernel, query.dtype)
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-        )
-        part_lse = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
-        )
+    if split:  # one allocation for both partial buffers (host time matters at small sizes)
+        rows = num_seqs * num_heads * num_splits
+        work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=query.device)
+        part_out = work[: rows * head_dim].view(num_seqs, num_heads, num_splits, head_dim)
+        part_lse = work[rows * head_dim :].view(num_seqs, num_heads, num_splits)
     else:
         part_out = part_lse = out  # unused by the kernel
         partition = 1 << 30  # one program covers any context
