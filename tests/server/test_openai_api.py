@@ -295,6 +295,45 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI, server) -> None:
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
 
 
+def test_echo_with_logprobs_covers_the_prompt(client: openai.OpenAI, server) -> None:
+    out = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    n_prompt = out.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3
+    assert "".join(lp.tokens[:n_prompt]) == PROMPT
+    assert lp.token_logprobs[0] is None  # nothing predicts the first token
+    # The prompt's other tokens have logprobs when the engine computes prompt logprobs
+    # (RequestOutput.prompt_logprobs), null otherwise; the generated ones always have them.
+    prompt_lps = lp.token_logprobs[1:n_prompt]
+    assert all(x is None for x in prompt_lps) or all(x <= 0 for x in prompt_lps)
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[n_prompt:])
+    assert lp.text_offset[n_prompt] == len(PROMPT)
+    assert out.choices[0].text == PROMPT + "".join(lp.tokens[n_prompt:])
+    streamed = list(
+        client.completions.create(
+            model=server.model,
+            prompt=PROMPT,
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            logprobs=1,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    tokens = [t for c in streamed for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    assert [x for c in streamed for x in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
 def test_model_may_be_omitted(http: httpx.Client) -> None:
     resp = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert resp.status_code == 200, resp.text

@@ -9,7 +9,8 @@ chunks) and end-to-end latency, plus request and token throughput. The printout 
 
 Prompts are random token ids (exact input lengths on any server that accepts token-id prompts,
 as OpenAI's API does); lengths are fixed (`--input-len`, `--output-len`) or drawn from a named
-workload whose length distributions resemble ShareGPT conversations or Alpaca instructions.
+workload of `pagedkv.scheduler.workloads` (ShareGPT-like conversations, Alpaca-like
+instructions) or a file of real lengths.
 Generation runs with `ignore_eos` so each request produces exactly its output length
 (`--no-ignore-eos` for servers that reject the field).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import platform
 import random
@@ -29,14 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-# Named workloads: (mean input tokens, mean output tokens, log-normal sigma). The means are the
-# ones the PagedAttention paper reports for its ShareGPT and Alpaca traces; the spread is a
-# log-normal fit of the same shape (long tail for ShareGPT, narrow for Alpaca).
-WORKLOADS: dict[str, tuple[float, float, float]] = {
-    "sharegpt": (161.3, 338.0, 1.0),
-    "alpaca": (19.3, 58.5, 0.6),
-}
 
 
 @dataclass(slots=True)
@@ -56,22 +50,20 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
 
 
-def _lognormal_len(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
-    mu = math.log(mean) - sigma * sigma / 2  # so that the distribution's mean is `mean`
-    return max(lo, min(hi, round(rng.lognormvariate(mu, sigma))))
-
-
 def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     """The request list; the same `--seed` gives the same prompts and lengths."""
     rng = random.Random(args.seed)
+    if args.workload == "random":
+        lengths = [(args.input_len, args.output_len)] * args.num_prompts
+    else:
+        # The scheduler's named workloads (the simulator and the offline bench use the same).
+        from pagedkv.scheduler.workloads import sample_lengths
+
+        lengths = sample_lengths(
+            args.workload, args.num_prompts, seed=args.seed, max_total=args.max_total_len
+        )
     specs = []
-    for _ in range(args.num_prompts):
-        if args.workload == "random":
-            in_len, out_len = args.input_len, args.output_len
-        else:
-            mean_in, mean_out, sigma = WORKLOADS[args.workload]
-            in_len = _lognormal_len(rng, mean_in, sigma, 4, args.max_input_len)
-            out_len = _lognormal_len(rng, mean_out, sigma, 1, args.max_output_len)
+    for in_len, out_len in lengths:
         prompt = [rng.randrange(args.min_token_id, args.vocab_size) for _ in range(in_len)]
         specs.append(RequestSpec(prompt, out_len))
     return specs
@@ -256,10 +248,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument(
         "--workload",
-        choices=["random", *WORKLOADS],
         default="random",
-        help="random: fixed --input-len/--output-len; sharegpt / alpaca: lengths "
-        "drawn like those datasets' (clipped by --max-input-len/--max-output-len)",
+        help="random (default): fixed --input-len/--output-len; sharegpt or alpaca: lengths "
+        "drawn like those datasets' (pagedkv.scheduler.workloads); or a .json/.jsonl file of "
+        "real (input, output) lengths",
     )
     parser.add_argument(
         "--input-len", type=int, default=128, help="prompt tokens (random workload)"
@@ -267,8 +259,12 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-len", type=int, default=128, help="generated tokens (random workload)"
     )
-    parser.add_argument("--max-input-len", type=int, default=1024, help="longest drawn prompt")
-    parser.add_argument("--max-output-len", type=int, default=1024, help="longest drawn output")
+    parser.add_argument(
+        "--max-total-len",
+        type=int,
+        default=2048,
+        help="drawn lengths with input + output above this are drawn again (default 2048)",
+    )
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     parser.add_argument(
         "--request-rate",
@@ -305,7 +301,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("input_len", "output_len", "num_prompts", "max_input_len", "max_output_len"):
+    for name in ("input_len", "output_len", "num_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.request_rate > 0:
@@ -314,15 +310,22 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency must be >= 1")
     if not 0 <= args.min_token_id < args.vocab_size:
         raise ValueError("need 0 <= --min-token-id < --vocab-size")
+    if args.max_total_len < 2:
+        raise ValueError("--max-total-len must be >= 2")
+    if args.workload != "random":
+        from pagedkv.scheduler.workloads import sample_lengths
+
+        sample_lengths(args.workload, 0, max_total=args.max_total_len)  # a clear error for a typo
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     _check(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g} req/s (Poisson)"
     lengths = (
         f"input {args.input_len}, output {args.output_len} tokens"
         if args.workload == "random"
-        else f"{args.workload}-like lengths (max input {args.max_input_len}, output {args.max_output_len})"
+        else f"lengths drawn from {args.workload} (input + output <= {args.max_total_len})"
     )
     print(f"pagedkv bench serve: {args.base_url}{args.endpoint}")
     print(f"  workload: {args.workload}, {lengths}; {args.num_prompts} prompts, seed {args.seed}")

@@ -81,6 +81,7 @@ class _ChoiceState:
     """What a streamed choice has sent so far (engine outputs are cumulative)."""
 
     text_len: int = 0
+    prefix_len: int = 0  # characters of echoed prompt sent before the generated text
     num_tokens: int = 0
     started: bool = False
     finished: bool = False
@@ -186,7 +187,9 @@ class OpenAIServing:
             )
         return max_tokens
 
-    def sampling_params(self, req: Any, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, req: Any, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         top_k = req.top_k if req.top_k is not None else 0
         if top_k >= self.vocab_size:
             top_k = 0  # keeping every token is no top-k at all
@@ -213,6 +216,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens or 0,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 use_beam_search=bool(req.use_beam_search),
                 length_penalty=req.length_penalty if req.length_penalty is not None else 1.0,
                 skip_special_tokens=req.skip_special_tokens is not False,
@@ -351,7 +355,13 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         prompts = self.prepare_completion_prompts(req)
         max_tokens = min(self.check_length(p.token_ids, req.max_tokens, "prompt") for p in prompts)
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        params = self.sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=req.logprobs,
+            # echo with logprobs returns the prompt tokens' logprobs too, as OpenAI does
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+        )
         stream = self.check_streaming(req, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -424,8 +434,7 @@ class OpenAIServing:
                 step = prompt_logprobs[k] if prompt_logprobs and k < len(prompt_logprobs) else None
                 self._append_completion_step(result, tid, step, num_top, pos)
                 pos += len(result.tokens[-1])
-            offset = pos
-        pos = offset
+        pos = offset  # generated text starts after the echoed prompt text
         for k, tid in enumerate(token_ids):
             step = logprobs[k] if logprobs and k < len(logprobs) else None
             self._append_completion_step(result, tid, step, num_top, pos)
@@ -487,13 +496,16 @@ class OpenAIServing:
                     prefix = ""
                     if req.echo and not st.started:
                         prefix = self._echo_text(prompts[i])
+                        st.prefix_len = len(prefix)
                     lp = None
                     if req.logprobs is not None:
                         lp = self.completion_logprobs(
                             new_ids,
                             o.logprobs[st.num_tokens :] if o.logprobs else None,
                             req.logprobs,
-                            st.text_len + len(prefix),
+                            st.prefix_len + st.text_len,
+                            echo_prompt=prompts[i] if prefix else None,
+                            prompt_logprobs=getattr(out, "prompt_logprobs", None),
                         )
                     st.started = True
                     st.text_len += len(text)
