@@ -123,7 +123,7 @@ class ModelRunner:
             tables.append(list(range(b, b + k)))
             b += k
         inputs = self._build_inputs(
-            [(list(range(n)), 0, t) for n, t in zip(lens, tables)],
+            [([i % c.vocab_size for i in range(n)], 0, t) for n, t in zip(lens, tables)],
             [i for i in range(num_seqs)],
         )
         hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
@@ -133,12 +133,19 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base_allocated - tmp.numel() * tmp.element_size()
         del tmp, caches, hidden
         torch.cuda.empty_cache()
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        budget = total * self.args.gpu_memory_utilization - base_allocated - max(non_torch, 0) - peak
+        # This engine's share: its weights and peak activations count against
+        # `gpu_memory_utilization`, other engines in the same process do not; and it never
+        # takes more than is free now.
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        weights += sum(t.numel() * t.element_size() for t in self.model.buffers())
+        context = max((total - free) - torch.cuda.memory_reserved(self.device), 0)
+        budget = total * self.args.gpu_memory_utilization - weights - peak - context
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        budget = min(budget, free_now - peak - (256 << 20))
         logger.info(
-            "memory profile: total %.1f GB, weights+state %.2f GB, peak activations %.2f GB, "
-            "other %.2f GB -> %.2f GB for the KV cache",
-            total / _GB, base_allocated / _GB, peak / _GB, max(non_torch, 0) / _GB, budget / _GB,
+            "memory profile: total %.1f GB, weights %.2f GB, peak activations %.2f GB, "
+            "CUDA context and others %.2f GB -> %.2f GB for the KV cache",
+            total / _GB, weights / _GB, peak / _GB, context / _GB, budget / _GB,
         )
         return int(max(budget, 0) // self.block_bytes)
 
