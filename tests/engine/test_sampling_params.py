@@ -29,6 +29,8 @@ BAD = [
     ({"temperature": float("inf")}, "temperature"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+    ({"repetition_penalty": 1000.0}, "repetition_penalty"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"presence_penalty": -2.01}, "presence_penalty"),
     ({"frequency_penalty": 3.0}, "frequency_penalty"),

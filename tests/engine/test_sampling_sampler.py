@@ -194,7 +194,7 @@ def test_greedy_is_argmax_and_penalties_apply_to_greedy():
     # A huge repetition penalty on the argmax token moves greedy elsewhere.
     best = int(logits[0].argmax())
     logits[0, best] = 100.0
-    p = SamplingParams(temperature=0, repetition_penalty=1000.0)
+    p = SamplingParams(temperature=0, repetition_penalty=100.0)
     out = _sample(logits[:1], [SamplingRow(p, [best], [])])
     assert out.rows[0].token_ids[0] != best
 

@@ -622,7 +622,9 @@ def _sample_inverse_cdf(
     cdf = probs.cumsum_(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(u.mul_(total), torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # A row whose probabilities are not finite would search past the end; keep ids valid so a
+    # bad row can never crash the next forward pass.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _to_host(tensors: list[torch.Tensor | None]) -> list[list | None]:

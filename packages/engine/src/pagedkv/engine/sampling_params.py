@@ -127,11 +127,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if (
             not _is_number(self.repetition_penalty)
-            or not (self.repetition_penalty > 0.0)
-            or math.isinf(self.repetition_penalty)
+            or not (0.01 <= self.repetition_penalty <= 100.0)
         ):
+            # Outside this range the penalised logits overflow float32 and sampling is garbage.
             raise ValueError(
-                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+                f"repetition_penalty must be in [0.01, 100] (1 = off), got {self.repetition_penalty!r}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
