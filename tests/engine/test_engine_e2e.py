@@ -208,3 +208,22 @@ def test_abort_frees_blocks_in_every_state(make_engine):
     stats = engine.get_stats()
     assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0
     assert not engine.has_unfinished_requests()
+
+
+def test_a_failing_step_aborts_its_batch_and_the_engine_goes_on(make_engine, baseline, monkeypatch):
+    engine = make_engine()
+    engine.add_request("doomed", PROMPTS[1], greedy(8))
+    real = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        monkeypatch.setattr(engine.runner, "execute", real)
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in finals] == [("doomed", "abort")]
+    assert engine.get_stats().gpu_kv_usage == 0.0
+    out = run_all(engine, [PROMPTS[0]], greedy(8))[0]
+    assert out.outputs[0].token_ids == baseline[0][:8]

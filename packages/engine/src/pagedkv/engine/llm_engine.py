@@ -294,12 +294,22 @@ class LLMEngine:
             return results
 
         sched = out.scheduled
-        self.runner.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         sample_idx = [k for k, ss in enumerate(sched) if ss.do_sample]
-        logits = self.runner.execute(
-            [(ss.token_ids, ss.start, ss.block_table) for ss in sched], sample_idx
-        )
         touched: dict[str, _RequestState] = {}
+        try:
+            self.runner.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+            logits = self.runner.execute(
+                [(ss.token_ids, ss.start, ss.block_table) for ss in sched], sample_idx
+            )
+            samples, pending, beam_done = self._sample(out, sample_idx, logits, touched)
+        except Exception:
+            # One bad batch must not wedge the engine: its requests end as aborted (their
+            # blocks freed) and the others go on at the next step.
+            logger.exception("step failed; aborting the %d requests of this batch", len(out.request_ids))
+            for rid in out.request_ids:
+                self.scheduler.abort(rid)
+            self.scheduler.update(out, {})
+            return results
         for ss in sched:
             st = self._requests[ss.request_id]
             if st.metrics.first_scheduled_time is None:
@@ -310,7 +320,6 @@ class LLMEngine:
             if st is not None:
                 st.metrics.num_preemptions += 1
 
-        samples, pending, beam_done = self._sample(out, sample_idx, logits, touched)
         owner = {sched[k].seq_id: touched[sched[k].request_id] for k in sample_idx}
         result = self.scheduler.update(out, samples)
         now = time.time()
