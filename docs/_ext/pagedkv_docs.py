@@ -520,6 +520,12 @@ class PerformanceDirective(SphinxDirective):
         groups: dict[str, list[dict]] = {}
         for row in rows:
             groups.setdefault(str(row.get(group, "")) if group else "", []).append(row)
+        for members in groups.values():
+            xs = [r.get(x) for r in members]
+            if len(set(xs)) != len(xs):
+                # several rows per x in one series (another varying column): a line through
+                # them would mean nothing, so the table stands alone
+                return None
         fig, axes = plt.subplots(1, len(ys), figsize=(3.6 * len(ys), 3.0), squeeze=False)
         for ax, y in zip(axes[0], ys):
             for label, members in groups.items():
