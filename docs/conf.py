@@ -73,6 +73,8 @@ nitpick_ignore_regex = [
 ]
 
 # --- HTML ----------------------------------------------------------------------------------------
+# Literal blocks without a language (argparse usage, docstring examples) stay plain text.
+highlight_language = "none"
 html_theme = "furo"
 html_title = "pagedkv"
 html_static_path = ["_static"]
