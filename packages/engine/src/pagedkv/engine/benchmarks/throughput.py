@@ -92,13 +92,13 @@ def _hf_model(model_config, device, dtype):
 
     if model_config.load_format == "dummy":
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(model_config.hf_config, torch_dtype=dtype)
+            model = AutoModelForCausalLM.from_config(model_config.hf_config, dtype=dtype)
     elif model_config.gguf_file:
         model = AutoModelForCausalLM.from_pretrained(
-            model_config.path, gguf_file=model_config.gguf_file, torch_dtype=dtype
+            model_config.path, gguf_file=model_config.gguf_file, dtype=dtype
         ).to(device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_config.path, torch_dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype).to(device)
     return model.eval()
 
 

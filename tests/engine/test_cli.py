@@ -1,0 +1,54 @@
+"""The `pagedkv` command line, run in-process on the embedded model with tiny workloads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedkv.engine.cli import build_parser, main
+
+SMALL = ["--device", "cpu", "--kv-cache-gb", "0.05", "--swap-space", "0.01"]
+
+
+def test_help_lists_every_subcommand_and_engine_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    for cmd in ("generate", "chat", "bench", "simulate", "serve"):
+        assert cmd in top
+    gen_help = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for flag in ("--block-size", "--gpu-memory-utilization", "--swap-space", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--max-model-len", "--enable-prefix-caching",
+                 "--preemption-mode", "--dtype", "--load-format", "--enforce-eager", "--seed"):
+        assert flag in gen_help
+
+
+def test_generate_prints_completions(capsys):
+    assert main(["generate", "The capital of France is", "--max-tokens", "4", "--quiet", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out
+
+
+def test_bad_option_is_a_clear_error(capsys):
+    assert main(["generate", "hi", "--max-tokens", "0", "--quiet", *SMALL]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_throughput_against_transformers(capsys):
+    rc = main(["bench", "throughput", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+               "--baseline", "hf", "--hf-batch-sizes", "3", *SMALL])
+    assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["output_tokens"] == 12 and last["output_tok_s"] > 0
+    assert last["baseline_output_tok_s"] > 0 and last["ratio"] == pytest.approx(
+        last["output_tok_s"] / last["baseline_output_tok_s"])
+
+
+@pytest.mark.slow
+def test_bench_sharing_reports_savings(capsys):
+    rc = main(["bench", "sharing", "--widths", "2", "--max-tokens", "12", *SMALL])
+    assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < last["parallel_2_saving_pct"] < 100 and 0 < last["beam_2_saving_pct"] < 100
