@@ -28,6 +28,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_options))
+        self.engine.emit_partial_outputs = False  # generate() returns finished outputs only
         self._counter = 0
 
     def get_tokenizer(self):

@@ -143,6 +143,10 @@ class LLMEngine:
         self._primary_eos = tok_eos if tok_eos in mc.eos_token_ids else (
             self.eos_token_ids[0] if self.eos_token_ids else None)
         self._requests: dict[str, _RequestState] = {}
+        # Streaming callers want every request's cumulative output after each step; offline
+        # callers only the finished ones, and building the rest costs a copy of every live
+        # sequence's tokens per step.
+        self.emit_partial_outputs = True
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens",
                     mc.name, self.device, self.runner.num_gpu_blocks, args.block_size)
 
@@ -377,7 +381,7 @@ class LLMEngine:
                     st.beam.finish(self._live_beams(st))
                 self._requests.pop(rid, None)
                 results.append(self._final_output(st))
-            elif st.beam is None:
+            elif st.beam is None and self.emit_partial_outputs:
                 results.append(self._output(st, finished=False))
         return results
 

@@ -147,6 +147,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     from pagedkv.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine.emit_partial_outputs = False
     mc = engine.model_config
     reqs = make_requests(args, mc.vocab_size)
     n_in = sum(len(r.prompt_token_ids) for r in reqs)
