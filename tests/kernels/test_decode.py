@@ -10,38 +10,15 @@ import torch
 import pagedattn_kernels as pk
 from pagedattn_kernels import reference
 from pagedattn_kernels.testing import (
+    ATTENTION_CASES,
     TOLERANCE,
+    attention_case_id,
     poisoned_like,
     random_paged_batch,
     rel_error,
 )
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-# (head_dim, dtype, block_size, queries per KV head): every head dim with every dtype once,
-# block sizes and GQA ratios (1 = MHA, 3, 4, 8) spread over them.
-CASES = [
-    (64, F32, 16, 1),
-    (64, BF16, 8, 8),
-    (64, F16, 32, 3),
-    (80, BF16, 8, 3),
-    (80, F32, 32, 4),
-    (80, F16, 16, 1),
-    (96, F16, 32, 4),
-    (96, BF16, 16, 1),
-    (96, F32, 8, 8),
-    (128, BF16, 16, 4),
-    (128, F32, 8, 3),
-    (128, F16, 32, 8),
-    (256, F32, 16, 8),
-    (256, BF16, 32, 1),
-    (256, F16, 8, 4),
-]
-
-
-def _case_id(case: tuple) -> str:
-    head_dim, dtype, block_size, group = case
-    return f"d{head_dim}-{str(dtype).removeprefix('torch.')}-bs{block_size}-g{group}"
 
 
 def _lens(block_size: int, full: bool, gen: torch.Generator) -> list[int]:
@@ -58,7 +35,7 @@ def _check(out, ref, dtype, seed, what):
     assert err < TOLERANCE[dtype], f"{what}: rel error {err:.2e} (seed={seed})"
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=attention_case_id)
 def test_decode_matches_reference(target, seed, case):
     head_dim, dtype, block_size, group = case
     gen = target.generator(seed)
@@ -85,7 +62,7 @@ def test_decode_matches_reference(target, seed, case):
 SPLIT_CASES = [(80, BF16, 16, 3), (128, F16, 8, 4), (256, F32, 32, 1), (64, BF16, 32, 8)]
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=attention_case_id)
 def test_decode_split_path(target, seed, case):
     """Contexts long enough that flash-decoding splits them, with the automatic split count,
     forced counts (including more splits than a short sequence has tokens for), the

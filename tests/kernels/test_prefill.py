@@ -12,36 +12,15 @@ from hypothesis import strategies as st
 import pagedattn_kernels as pk
 from pagedattn_kernels import reference
 from pagedattn_kernels.testing import (
+    ATTENTION_CASES,
     TOLERANCE,
+    attention_case_id,
     poisoned_like,
     random_paged_batch,
     rel_error,
 )
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-CASES = [
-    (64, F32, 16, 1),
-    (64, BF16, 8, 8),
-    (64, F16, 32, 3),
-    (80, BF16, 8, 3),
-    (80, F32, 32, 4),
-    (80, F16, 16, 1),
-    (96, F16, 32, 4),
-    (96, BF16, 16, 1),
-    (96, F32, 8, 8),
-    (128, BF16, 16, 4),
-    (128, F32, 8, 3),
-    (128, F16, 32, 8),
-    (256, F32, 16, 8),
-    (256, BF16, 32, 1),
-    (256, F16, 8, 4),
-]
-
-
-def _case_id(case: tuple) -> str:
-    head_dim, dtype, block_size, group = case
-    return f"d{head_dim}-{str(dtype).removeprefix('torch.')}-bs{block_size}-g{group}"
 
 
 def _mixed_batch(block_size: int, full: bool) -> tuple[list[int], list[int]]:
@@ -60,7 +39,7 @@ def _mixed_batch(block_size: int, full: bool) -> tuple[list[int], list[int]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=attention_case_id)
 def test_prefill_matches_reference(target, seed, case):
     head_dim, dtype, block_size, group = case
     gen = target.generator(seed)

@@ -104,3 +104,31 @@ def random_paged_batch(
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN, so any element a kernel fails to write fails the test."""
     return torch.full_like(t, float("nan"))
+
+
+#: (head_dim, dtype, block_size, queries per KV head): every head size with every dtype once,
+#: block sizes 8/16/32 and GQA ratios 1 (MHA), 3, 4, 8 spread over them. Shared by the decode
+#: and prefill tests so both cover the same grid.
+ATTENTION_CASES: list[tuple[int, torch.dtype, int, int]] = [
+    (64, torch.float32, 16, 1),
+    (64, torch.bfloat16, 8, 8),
+    (64, torch.float16, 32, 3),
+    (80, torch.bfloat16, 8, 3),
+    (80, torch.float32, 32, 4),
+    (80, torch.float16, 16, 1),
+    (96, torch.float16, 32, 4),
+    (96, torch.bfloat16, 16, 1),
+    (96, torch.float32, 8, 8),
+    (128, torch.bfloat16, 16, 4),
+    (128, torch.float32, 8, 3),
+    (128, torch.float16, 32, 8),
+    (256, torch.float32, 16, 8),
+    (256, torch.bfloat16, 32, 1),
+    (256, torch.float16, 8, 4),
+]
+
+
+def attention_case_id(case: tuple[int, torch.dtype, int, int]) -> str:
+    """A readable pytest id for one of `ATTENTION_CASES`."""
+    head_dim, dtype, block_size, group = case
+    return f"d{head_dim}-{str(dtype).removeprefix('torch.')}-bs{block_size}-g{group}"
