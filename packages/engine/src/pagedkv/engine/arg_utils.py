@@ -27,6 +27,7 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -98,6 +99,9 @@ class EngineArgs:
             g.add_argument("--model", default=None,
                            help="model: a Hugging Face folder, a .gguf file; default: the embedded SmolLM2-135M-Instruct")
         g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+        g.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="load no tokenizer: prompts are token ids, outputs carry token ids only "
+                            "(automatic for bundled shapes such as meta-llama/Meta-Llama-3-8B)")
         g.add_argument("--load-format", choices=_LOAD_FORMATS, default=d["load_format"].default,
                        help="weights format; 'dummy' = random weights of the real config (benchmarks)")
         g.add_argument("--dtype", choices=_DTYPES, default="auto", help="weights and activations dtype")

@@ -115,7 +115,7 @@ class ModelConfig:
         else:
             hf_config = _load_hf_config(folder)
             eos = _hf_eos_ids(folder, hf_config)
-            name = str(folder)
+            name = str(model) if folder.parent == _BUNDLED_CONFIGS else str(folder)
         architecture = architecture_for(getattr(hf_config, "model_type", None) or "")
         shape = _shape(architecture, hf_config)
         if architecture == "llama":
@@ -171,9 +171,20 @@ class ModelConfig:
         """The GGUF file, or the checkpoint folder."""
         return self.path / self.gguf_file if self.gguf_file else self.path
 
+    @property
+    def is_bundled_shape(self) -> bool:
+        """A shape-only config shipped with pagedkv: random weights, no tokenizer."""
+        return self.path.parent == _BUNDLED_CONFIGS
+
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer (from the folder, or from the GGUF metadata)."""
         from transformers import AutoTokenizer
+
+        if self.is_bundled_shape:
+            raise ValueError(
+                f"{self.name} is a bundled shape without a tokenizer: pass --skip-tokenizer-init "
+                "(token-id prompts) or --tokenizer PATH"
+            )
 
         if self.gguf_file:
             return AutoTokenizer.from_pretrained(str(self.path), gguf_file=self.gguf_file)
@@ -226,10 +237,36 @@ def _resolve(model: str | Path | None, load_format: str) -> tuple[Path, str | No
             f"{str(path)!r} is neither a Hugging Face folder (config.json + *.safetensors) nor "
             "holds a .gguf file"
         )
+    bundled = bundled_config_folder(str(model))
+    if bundled is not None:
+        if load_format != "dummy":
+            raise ValueError(
+                f"{str(model)!r} is not a local folder; pagedkv ships only its shape "
+                f"(config.json), so it runs with --load-format dummy (random weights) only"
+            )
+        return bundled, None
     raise ValueError(
         f"unknown model {str(model)!r}: not a local folder with config.json and *.safetensors nor "
-        "a .gguf file (pagedkv never downloads weights; use model=None for the embedded default)"
+        "a .gguf file (pagedkv never downloads weights; use model=None for the embedded default; "
+        f"shapes for --load-format dummy: {', '.join(bundled_config_names())})"
     )
+
+
+_BUNDLED_CONFIGS = Path(__file__).parent / "model_configs"
+
+
+def bundled_config_names() -> list[str]:
+    """Hugging Face ids whose shapes ship with pagedkv (for `--load-format dummy`)."""
+    return sorted(
+        d.name.replace("--", "/", 1) for d in _BUNDLED_CONFIGS.iterdir() if (d / "config.json").is_file()
+    )
+
+
+def bundled_config_folder(name: str) -> Path | None:
+    """The bundled folder holding ``name``'s config.json (e.g. ``meta-llama/Meta-Llama-3-8B``),
+    or None. Shapes only: these models run with random weights in benchmarks."""
+    folder = _BUNDLED_CONFIGS / name.replace("/", "--", 1)
+    return folder if "/" in name and (folder / "config.json").is_file() else None
 
 
 def _load_hf_config(folder: Path) -> Any:

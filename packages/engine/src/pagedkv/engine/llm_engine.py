@@ -155,6 +155,11 @@ class LLMEngine:
         return cls(args)
 
     def _load_tokenizer(self):
+        """The tokenizer, or None when the engine runs on token ids only (`skip_tokenizer_init`,
+        or a bundled shape-only config, which has no tokenizer)."""
+        if self.args.skip_tokenizer_init or (self.model_config.is_bundled_shape and not self.args.tokenizer):
+            logger.info("no tokenizer: prompts must be token ids and outputs carry token ids only")
+            return None
         if self.args.tokenizer:
             from transformers import AutoTokenizer
 
@@ -170,6 +175,16 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         mc = self.model_config
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError(
+                "this engine runs without a tokenizer (--skip-tokenizer-init): give the prompt as "
+                "a list of token ids"
+            )
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                "stop strings need a tokenizer, and this engine runs without one "
+                "(--skip-tokenizer-init): use stop_token_ids"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token")
@@ -207,8 +222,11 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         internal = params
-        if params.best_of > params.n and not params.use_beam_search and params.logprobs is None:
+        if self.tokenizer is None and params.detokenize:
             internal = params.clone()
+            internal.detokenize = False
+        if params.best_of > params.n and not params.use_beam_search and params.logprobs is None:
+            internal = internal.clone() if internal is params else internal
             internal.logprobs = 0  # choosing the best n needs each token's logprob
         return PreparedRequest(text, ids, params, internal, max_tokens)
 
@@ -495,7 +513,8 @@ class LLMEngine:
             comps = []
             for i, h in enumerate(st.beam.results()[: p.n]):
                 text = detokenize(self.tokenizer, st.prep.prompt_token_ids, h.output_token_ids, p,
-                                  eos_token_ids=self.eos_token_ids).text if p.detokenize else ""
+                                  eos_token_ids=self.eos_token_ids).text if (
+                                      p.detokenize and self.tokenizer is not None) else ""
                 comps.append(CompletionOutput(i, text, list(h.output_token_ids), h.cum_logprob, None,
                                               h.finish_reason,
                                               h.stop_token_id))
