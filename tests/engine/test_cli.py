@@ -36,14 +36,32 @@ def test_bad_option_is_a_clear_error(capsys):
 
 
 @pytest.mark.slow
-def test_bench_throughput_against_transformers(capsys):
+def test_bench_throughput_against_transformers(capsys, tmp_path):
+    saved = tmp_path / "workload.json"
     rc = main(["bench", "throughput", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
-               "--baseline", "hf", "--hf-batch-sizes", "3", *SMALL])
+               "--baseline", "hf", "--baseline", "hf-cb", "--hf-batch-sizes", "1,2",
+               "--hf-num-prompts", "2", "--save-workload", str(saved), *SMALL])
     assert rc == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
     assert last["output_tokens"] == 12 and last["output_tok_s"] > 0
-    assert last["baseline_output_tok_s"] > 0 and last["ratio"] == pytest.approx(
-        last["output_tok_s"] / last["baseline_output_tok_s"])
+    assert last["hf_num_prompts"] == 2 and last["hf_best_batch_size"] in (1, 2)
+    assert last["hf_best_output_tok_s"] > 0 and last["ratio_vs_hf"] == pytest.approx(
+        last["output_tok_s"] / last["hf_best_output_tok_s"])
+    assert last["ratio_vs_hf_same_requests"] == pytest.approx(
+        last["subset_output_tok_s"] / last["hf_best_output_tok_s"])
+    assert last["hf_cb_output_tok_s"] > 0, last.get("hf_cb_error")
+    assert "hf generate (batch 1)" in out and "hf generate (batch 2)" in out
+    rows = json.loads(saved.read_text())
+    assert [r["output_len"] for r in rows] == [4, 4, 4]
+    assert all(len(r["prompt_token_ids"]) == 8 for r in rows)
+
+    # The saved file replays the very same requests.
+    rc = main(["bench", "throughput", "--num-prompts", "3", "--dataset", str(saved), *SMALL])
+    assert rc == 0
+    replay = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert replay["prompt_tokens"] == 24 and replay["output_tokens"] == 12
+    assert "roofline_frac" not in replay  # a CPU run has no roofline
 
 
 @pytest.mark.slow

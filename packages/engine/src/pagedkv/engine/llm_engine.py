@@ -37,7 +37,7 @@ from pagedkv.engine.sampler import (
     child_seed,
     make_generator,
 )
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams, SamplingType
 from pagedkv.scheduler import (
     FinishReason,
     RequestParams,
@@ -82,6 +82,9 @@ class PreparedRequest:
     params: SamplingParams  # as the user gave them
     internal_params: SamplingParams  # what the sampler uses (may ask for logprobs internally)
     max_tokens: int
+    # plain greedy (one sequence, no logprobs, penalties or min_tokens): an argmax is all the
+    # sampling it needs, so a batch of only these skips building a SamplingBatch
+    argmax_only: bool = False
 
 
 @dataclass(slots=True)
@@ -228,7 +231,14 @@ class LLMEngine:
         if params.best_of > params.n and not params.use_beam_search and params.logprobs is None:
             internal = internal.clone() if internal is params else internal
             internal.logprobs = 0  # choosing the best n needs each token's logprob
-        return PreparedRequest(text, ids, params, internal, max_tokens)
+        argmax_only = (
+            internal.sampling_type == SamplingType.GREEDY
+            and internal.best_of == 1
+            and internal.logprobs is None
+            and internal.min_tokens == 0
+            and not internal.needs_penalties
+        )
+        return PreparedRequest(text, ids, params, internal, max_tokens, argmax_only)
 
     def add_request(
         self,
@@ -420,6 +430,17 @@ class LLMEngine:
         """Sample every row; returns (samples for scheduler.update, per-sequence pending
         (token, logprobs, new cumulative logprob or None), requests whose beam search ended)."""
         sched, seqs = out.scheduled, out.seqs
+        samples: dict[int, list[int]] = {}
+        pending: dict[int, list] = {}
+        requests = self._requests
+        if all(requests[sched[k].request_id].prep.argmax_only for k in sample_idx):
+            # The throughput path: one argmax on the device, one copy of the ids to the host.
+            for k, tok in zip(sample_idx, logits.argmax(dim=-1).tolist()):
+                ss = sched[k]
+                touched[ss.request_id] = requests[ss.request_id]
+                samples[ss.seq_id] = [tok]
+                pending[ss.seq_id] = [(tok, None, None)]
+            return samples, pending, []
         rows: list[SamplingRow] = []
         for k in sample_idx:
             ss, seq = sched[k], seqs[k]
@@ -434,8 +455,6 @@ class LLMEngine:
             rows.append(SamplingRow(p, st.group.prompt_token_ids,
                                     seq.token_ids[seq.prompt_len:] if p.needs_penalties else (),
                                     sst.generator, num))
-        samples: dict[int, list[int]] = {}
-        pending: dict[int, list] = {}
         beam_done: list[str] = []
         if not rows:
             return samples, pending, beam_done

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -57,6 +58,10 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(2048, self.max_model_len)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self._table_cols = torch.arange(self.max_blocks_per_seq)
+        # (tokens, sequences, KV tokens attended, query-key pairs) per forward pass, when a
+        # benchmark asks for it (`step_log = []`): the roofline of a run is computed from these.
+        self.step_log: list[tuple[int, int, int, int]] | None = None
 
         # A caller may hand in an already loaded model (tests build several engines over one).
         self.model = model if model is not None else load_model(
@@ -175,6 +180,9 @@ class ModelRunner:
         self._g_tables = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
         self._g_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self._g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self._g_stage = torch.zeros((3, top), dtype=torch.long, pin_memory=True)
+        self._g_table_stage = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32,
+                                          pin_memory=True)
         pool = None
         start = torch.cuda.memory_allocated(dev)
         for b in reversed(sizes):
@@ -202,22 +210,43 @@ class ModelRunner:
     def _replay_decode(self, seqs: list[tuple[list[int], int, list[int]]], b: int) -> torch.Tensor:
         n = len(seqs)
         bs = self.block_size
-        width = max(len(t) for _, _, t in seqs)
         ids = [toks[0] for toks, _, _ in seqs]
         pos = [start for _, start, _ in seqs]
-        slots = [t[p // bs] * bs + p % bs for (_, p, t) in seqs]
-        rows = [t + [0] * (width - len(t)) for _, _, t in seqs]
-        host = torch.tensor([ids, pos, slots], dtype=torch.long)
-        self._g_ids[:n].copy_(host[0], non_blocking=True)
-        self._g_pos[:n].copy_(host[1], non_blocking=True)
-        self._g_slots[:n].copy_(host[2], non_blocking=True)
+        tables = [t for _, _, t in seqs]
+        slots = [t[p // bs] * bs + p % bs for p, t in zip(pos, tables)]
+        if self.step_log is not None:
+            kv = sum(pos) + n
+            self.step_log.append((n, n, kv, kv))
+        # One pinned staging row per input, one copy each; the copies are ordered before the
+        # replay on the same stream, and the buffers are rewritten only after the sampler has
+        # synchronised on this step's tokens.
+        stage = self._g_stage
+        stage[0, :n] = torch.tensor(ids, dtype=torch.long)
+        stage[1, :n] = torch.tensor(pos, dtype=torch.long)
+        stage[2, :n] = torch.tensor(slots, dtype=torch.long)
+        self._g_ids[:n].copy_(stage[0, :n], non_blocking=True)
+        self._g_pos[:n].copy_(stage[1, :n], non_blocking=True)
+        self._g_slots[:n].copy_(stage[2, :n], non_blocking=True)
         self._g_slots[n:b].fill_(-1)
-        self._g_lens[:n].copy_(host[1] + 1, non_blocking=True)
+        self._g_lens[:n].copy_(self._g_pos[:n])
+        self._g_lens[:n] += 1
         self._g_lens[n:b].zero_()
-        self._g_tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        width = self._pack_tables(tables, self._g_table_stage)
+        self._g_tables[:n, :width].copy_(self._g_table_stage[:n, :width], non_blocking=True)
         graph, hidden = self._graphs[b]
         graph.replay()
         return hidden[:n]
+
+    def _pack_tables(self, tables: list[list[int]], out: torch.Tensor) -> int:
+        """Write ragged block tables into the rows of `out` (left-aligned; the tail of each row
+        is left as is, since no kernel reads past a sequence's length). One host tensor for
+        all of them instead of one per row. Returns the width used."""
+        lens = torch.tensor([len(t) for t in tables], dtype=torch.long)
+        width = int(lens.max())
+        flat = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.int32)
+        view = out[: len(tables), :width]
+        view[self._table_cols[:width] < lens[:, None]] = flat
+        return width
 
     # ---- one step -------------------------------------------------------------------------
     def _build_inputs(
@@ -237,7 +266,6 @@ class ModelRunner:
             starts.append(start)
             qlens.append(len(toks))
             width = max(width, len(table))
-        table_rows = [table + [0] * (width - len(table)) for _, _, table in seqs]
         dev = self.device
         num_seqs = len(seqs)
         qlens_t = torch.tensor(qlens, dtype=torch.int32)
@@ -248,10 +276,14 @@ class ModelRunner:
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), qlens_t.long())
         total = len(ids)
         positions = torch.arange(total) - cu[:-1].long()[seq_idx] + starts_t.long()[seq_idx]
-        block_tables = torch.tensor(table_rows, dtype=torch.int32)
+        block_tables = torch.zeros((num_seqs, width), dtype=torch.int32)
+        self._pack_tables([table for _, _, table in seqs], block_tables)
         slots = block_tables.long()[seq_idx, positions // bs] * bs + positions % bs
         sample_rows = (cu[1:].long() - 1)[torch.tensor(sample_seq_indices, dtype=torch.long)]
         max_q = max(qlens)
+        if self.step_log is not None:
+            pairs = sum(q * s + q * (q + 1) // 2 for q, s in zip(qlens, starts))
+            self.step_log.append((total, num_seqs, sum(starts) + total, pairs))
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev, non_blocking=True),
             block_tables=block_tables.to(dev, non_blocking=True),

@@ -36,13 +36,21 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="named length distribution (else fixed --input-len/--output-len)")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (fixed lengths)")
     g.add_argument("--output-len", type=int, default=128, help="output tokens (fixed lengths)")
-    g.add_argument("--dataset", default=None, help="JSON list of {prompt_len, output_len} to replay")
+    g.add_argument("--dataset", default=None,
+                   help="JSON list to replay: {prompt_token_ids, output_len} as --save-workload "
+                        "writes, or {prompt_len, output_len} (random ids)")
     g.add_argument("--workload-seed", type=int, default=0, help="seed of lengths and token ids")
     g.add_argument("--save-workload", default=None, help="write the requests to this JSON file")
     g.add_argument("--baseline", action="append", default=[], choices=("hf", "hf-cb"),
-                   help="also run transformers: hf = static batches, hf-cb = generate_batch")
+                   help="also run transformers: hf = static batches, hf-cb = continuous batching")
     g.add_argument("--hf-batch-sizes", default="8,16,32",
                    help="static batch sizes to try for the hf baseline; the best one counts")
+    g.add_argument("--hf-num-prompts", type=int, default=None,
+                   help="run the transformers baselines on the first N requests only (they are "
+                        "slow); pagedkv is then also timed on those N for a like-for-like ratio")
+    g.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the GPU's copy bandwidth and matmul rate in this run and report "
+                        "how close each run gets to them (default: on for CUDA)")
     g.add_argument("--output-json", default=None, help="also write the JSON result to this file")
 
 
@@ -50,40 +58,86 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
     import random
 
     rng = random.Random(args.workload_seed)
-    if args.dataset:
-        rows = json.loads(Path(args.dataset).read_text())
-        lengths = [(int(r["prompt_len"]), int(r["output_len"])) for r in rows][: args.num_prompts]
-    elif args.workload:
-        from pagedkv.scheduler.workloads import sample_lengths
-
-        lengths = sample_lengths(args.workload, args.num_prompts, seed=args.workload_seed)
-    else:
-        lengths = [(args.input_len, args.output_len)] * args.num_prompts
     # Token ids avoid the first ids, where tokenizers keep their special tokens.
     low = min(1000, vocab_size // 4)
-    reqs = [
-        BenchRequest([rng.randrange(low, vocab_size) for _ in range(p)], o) for p, o in lengths
-    ]
+    if args.dataset:
+        rows = json.loads(Path(args.dataset).read_text())[: args.num_prompts]
+        reqs = []
+        for i, r in enumerate(rows):
+            if "prompt_token_ids" in r:
+                ids = [int(t) for t in r["prompt_token_ids"]]
+                if any(not 0 <= t < vocab_size for t in ids):
+                    raise ValueError(f"{args.dataset}: request {i} has token ids outside the "
+                                     f"model's vocabulary of {vocab_size}")
+            else:
+                ids = [rng.randrange(low, vocab_size) for _ in range(int(r["prompt_len"]))]
+            reqs.append(BenchRequest(ids, int(r["output_len"])))
+    else:
+        if args.workload:
+            from pagedkv.scheduler.workloads import sample_lengths
+
+            lengths = sample_lengths(args.workload, args.num_prompts, seed=args.workload_seed)
+        else:
+            lengths = [(args.input_len, args.output_len)] * args.num_prompts
+        reqs = [
+            BenchRequest([rng.randrange(low, vocab_size) for _ in range(p)], o) for p, o in lengths
+        ]
     if args.save_workload:
-        Path(args.save_workload).write_text(
-            json.dumps([{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in reqs])
-        )
+        Path(args.save_workload).write_text(json.dumps(
+            [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in reqs]
+        ))
     return reqs
 
 
-def run_pagedkv(engine, reqs: list[BenchRequest]) -> float:
-    """Seconds to run every request to completion through one engine."""
+@dataclass(slots=True)
+class PagedRun:
+    seconds: float
+    output_tokens: int
+    passes: list[tuple[int, int, int, int]]  # per step with a forward pass (see roofline.py)
+    step_seconds: list[float]
+
+
+def run_pagedkv(engine, reqs: list[BenchRequest], *, record: bool = False) -> PagedRun:
+    """Run every request to completion through one engine; with `record`, log each step's
+    forward pass and time for the roofline."""
     from pagedkv.engine.sampling_params import SamplingParams
 
+    runner = engine.runner
+    runner.step_log = [] if record else None
+    step_seconds: list[float] = []
+    passes: list[tuple[int, int, int, int]] = []
+    produced = 0
     start = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.add_request(
             f"bench-{i}", r.prompt_token_ids,
-            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, detokenize=False),
+            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True,
+                           detokenize=False),
         )
+    bar = _progress(len(reqs), "pagedkv")
+    last = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - start
+        outs = engine.step()
+        if record:
+            now = time.perf_counter()
+            if runner.step_log:
+                passes.append(runner.step_log.pop())
+                step_seconds.append(now - last)
+            last = now
+        for o in outs:
+            if o.finished:
+                produced += len(o.outputs[0].token_ids)
+                bar.update(1)
+    secs = time.perf_counter() - start
+    bar.close()
+    runner.step_log = None
+    return PagedRun(secs, produced, passes, step_seconds)
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", mininterval=2.0, leave=False)
 
 
 def _hf_model(model_config, device, dtype):
@@ -103,11 +157,15 @@ def _hf_model(model_config, device, dtype):
 
 
 def run_hf_static(model, reqs: list[BenchRequest], batch_size: int, pad_id: int) -> float:
-    """Seconds for transformers `generate` over static left-padded batches in arrival order."""
+    """Seconds for transformers `generate` over static left-padded batches in arrival order.
+
+    Each batch runs until its longest request has its output (`min_new_tokens` keeps EOS from
+    ending it early), which is how static batching wastes work on uneven lengths."""
     import torch
 
     device = next(model.parameters()).device
     start = time.perf_counter()
+    bar = _progress(len(reqs), f"transformers generate, batch {batch_size}")
     for b in range(0, len(reqs), batch_size):
         batch = reqs[b : b + batch_size]
         width = max(len(r.prompt_token_ids) for r in batch)
@@ -122,25 +180,77 @@ def run_hf_static(model, reqs: list[BenchRequest], batch_size: int, pad_id: int)
                 input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
                 min_new_tokens=new, do_sample=False, pad_token_id=pad_id,
             )
+        bar.update(len(batch))
     if device.type == "cuda":
         torch.cuda.synchronize()
+    bar.close()
     return time.perf_counter() - start
 
 
-def run_hf_continuous(model, reqs: list[BenchRequest]) -> float:
-    """Seconds for transformers' continuous batching (`generate_batch`)."""
+def run_hf_continuous(model, reqs: list[BenchRequest]) -> tuple[float, int, str]:
+    """(seconds, output tokens, mode) for transformers' continuous batching.
+
+    Each request gets its own `max_new_tokens` through the batching manager when this
+    transformers version has it; otherwise `generate_batch` runs every request to the longest
+    output length (mode "uniform-length"), and only the requested tokens are counted."""
     import torch
     from transformers import GenerationConfig
 
     max_new = max(r.output_len for r in reqs)
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1)
-    start = time.perf_counter()
+    ctx = getattr(model, "continuous_batching_context_manager", None)
     with torch.inference_mode():
+        if ctx is not None:
+            try:
+                return _hf_manager_run(ctx, cfg, reqs)
+            except TypeError as exc:  # a transformers version with another manager API
+                logger.warning("continuous batching manager API differs (%s); using "
+                               "generate_batch with one max_new_tokens", exc)
+        start = time.perf_counter()
         model.generate_batch(inputs=[r.prompt_token_ids for r in reqs], generation_config=cfg)
-    return time.perf_counter() - start
+        return time.perf_counter() - start, sum(r.output_len for r in reqs), "uniform-length"
+
+
+def _hf_manager_run(ctx, cfg, reqs: list[BenchRequest]) -> tuple[float, int, str]:
+    import inspect
+
+    import torch
+
+    kwargs = {"generation_config": cfg, "block": True, "timeout": 30}
+    if "warmup" in inspect.signature(ctx).parameters:
+        kwargs["warmup"] = torch.cuda.is_available()  # it captures CUDA graphs; nothing on CPU
+    with ctx(**kwargs) as manager:
+        start = time.perf_counter()  # after the manager's warm-up, as pagedkv's graphs are
+        for i, r in enumerate(reqs):
+            manager.add_request(r.prompt_token_ids, request_id=f"hf-{i}",
+                                max_new_tokens=r.output_len)
+        produced = 0
+        done: set[str] = set()
+        bar = _progress(len(reqs), "transformers continuous batching")
+        while len(done) < len(reqs):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' batching thread stopped early")
+                continue
+            if result.is_finished() and result.request_id not in done:
+                done.add(result.request_id)
+                produced += len(result.generated_tokens)
+                bar.update(1)
+        secs = time.perf_counter() - start
+        bar.close()
+    return secs, produced, "per-request-length"
+
+
+def _row(system: str, secs: float, n_req: int, n_in: int, n_out: int) -> dict:
+    return {"system": system, "requests": n_req, "seconds": secs,
+            "requests_per_s": n_req / secs, "total_tok_s": (n_in + n_out) / secs,
+            "output_tok_s": n_out / secs}
 
 
 def run_throughput_cli(args: argparse.Namespace) -> int:
+    import gc
+
     import torch
 
     from pagedkv.engine.arg_utils import EngineArgs
@@ -153,57 +263,100 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     n_in = sum(len(r.prompt_token_ids) for r in reqs)
     n_out = sum(r.output_len for r in reqs)
     env = environment()
+    cuda = engine.device.type == "cuda"
     print(f"model {mc.name} ({mc.architecture}, {mc.num_layers} layers, dtype {mc.dtype}) on "
-          f"{engine.device}; {len(reqs)} requests, {n_in} prompt and {n_out} output tokens; "
-          f"env {env}")
+          f"{engine.device}; {len(reqs)} requests, {n_in} prompt and {n_out} output tokens "
+          f"(mean {n_in / len(reqs):.0f} in, {n_out / len(reqs):.0f} out); "
+          f"{engine.runner.num_gpu_blocks} KV blocks; env {env}")
 
-    run_pagedkv(engine, reqs[: min(4, len(reqs))])  # warm-up: kernels, allocator, graphs
-    secs = run_pagedkv(engine, reqs)
-    rows = [{"system": "pagedkv", "seconds": secs, "requests_per_s": len(reqs) / secs,
-             "total_tok_s": (n_in + n_out) / secs, "output_tok_s": n_out / secs}]
-    result = {"output_tok_s": n_out / secs, "requests_per_s": len(reqs) / secs,
-              "total_tok_s": (n_in + n_out) / secs, "num_prompts": len(reqs),
-              "prompt_tokens": n_in, "output_tokens": n_out, "env": env}
+    run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up: kernels, allocator, graphs
+    run = run_pagedkv(engine, reqs, record=True)
+    if run.output_tokens != n_out:
+        raise RuntimeError(f"pagedkv produced {run.output_tokens} tokens, expected {n_out}")
+    secs = run.seconds
+    rows = [_row("pagedkv", secs, len(reqs), n_in, n_out)]
+    result: dict = {"output_tok_s": n_out / secs, "requests_per_s": len(reqs) / secs,
+                    "total_tok_s": (n_in + n_out) / secs, "num_prompts": len(reqs),
+                    "prompt_tokens": n_in, "output_tokens": n_out, "seconds": secs,
+                    "model": mc.name, "dtype": str(mc.dtype).removeprefix("torch."),
+                    "workload": args.workload or ("dataset" if args.dataset else
+                                                  f"fixed {args.input_len}/{args.output_len}"),
+                    "num_gpu_blocks": engine.runner.num_gpu_blocks,
+                    "max_num_seqs": engine.args.max_num_seqs, "env": env}
+
+    if args.roofline if args.roofline is not None else cuda:
+        if not cuda:
+            raise ValueError("--roofline measures a GPU; this run is on the CPU")
+        from pagedkv.engine.benchmarks.roofline import ModelCost, measure_hardware, roofline_report
+
+        hw = measure_hardware(engine.device, mc.dtype)
+        cost = ModelCost.of(engine.runner.model, mc, mc.kv_bytes_per_token())
+        result.update(roofline_report(cost, hw, run.passes, run.step_seconds, secs))
+
+    hf_reqs = reqs[: args.hf_num_prompts] if args.hf_num_prompts else reqs
+    hf_in = sum(len(r.prompt_token_ids) for r in hf_reqs)
+    hf_out = sum(r.output_len for r in hf_reqs)
+    if args.baseline and len(hf_reqs) < len(reqs):
+        sub = run_pagedkv(engine, hf_reqs)
+        rows.append(_row(f"pagedkv (first {len(hf_reqs)})", sub.seconds, len(hf_reqs), hf_in,
+                         hf_out))
+        result["hf_num_prompts"] = len(hf_reqs)
+        result["subset_output_tok_s"] = hf_out / sub.seconds
 
     if args.baseline:
         device = engine.device
         dtype = mc.dtype
         del engine
-        if torch.cuda.is_available():
+        gc.collect()
+        if cuda:
             torch.cuda.empty_cache()
         model = _hf_model(mc, device, dtype)
         pad_id = next(iter(mc.eos_token_ids), 0)
         if "hf" in args.baseline:
             best = None
             for bs in [int(x) for x in args.hf_batch_sizes.split(",") if x]:
+                bs = min(bs, len(hf_reqs))
                 try:
-                    s = run_hf_static(model, reqs, bs, pad_id)
+                    s = run_hf_static(model, hf_reqs, bs, pad_id)
                 except torch.OutOfMemoryError:
-                    logger.warning("hf static batch %d ran out of memory", bs)
+                    logger.warning("transformers static batch %d ran out of memory", bs)
+                    gc.collect()
                     torch.cuda.empty_cache()
                     continue
-                rows.append({"system": f"hf generate (batch {bs})", "seconds": s,
-                             "requests_per_s": len(reqs) / s, "total_tok_s": (n_in + n_out) / s,
-                             "output_tok_s": n_out / s})
+                rows.append(_row(f"hf generate (batch {bs})", s, len(hf_reqs), hf_in, hf_out))
                 if best is None or s < best[1]:
                     best = (bs, s)
             if best is not None:
-                result["baseline_output_tok_s"] = n_out / best[1]
-                result["baseline_batch_size"] = best[0]
-                result["ratio"] = result["output_tok_s"] / result["baseline_output_tok_s"]
+                result["hf_best_output_tok_s"] = hf_out / best[1]
+                result["hf_best_batch_size"] = best[0]
+                result["ratio_vs_hf"] = result["output_tok_s"] / result["hf_best_output_tok_s"]
+                if "subset_output_tok_s" in result:
+                    result["ratio_vs_hf_same_requests"] = (
+                        result["subset_output_tok_s"] / result["hf_best_output_tok_s"])
         if "hf-cb" in args.baseline:
             try:
-                s = run_hf_continuous(model, reqs)
-                rows.append({"system": "hf generate_batch", "seconds": s,
-                             "requests_per_s": len(reqs) / s, "total_tok_s": (n_in + n_out) / s,
-                             "output_tok_s": n_out / s})
-                result["hf_cb_output_tok_s"] = n_out / s
+                s, produced, mode = run_hf_continuous(model, hf_reqs)
+                rows.append(_row(f"hf continuous batching ({mode})", s, len(hf_reqs), hf_in,
+                                 produced))
+                result["hf_cb_output_tok_s"] = produced / s
+                result["hf_cb_mode"] = mode
                 result["ratio_vs_hf_cb"] = result["output_tok_s"] / result["hf_cb_output_tok_s"]
             except Exception as exc:  # optional baseline: report, do not fail the run
-                logger.warning("transformers generate_batch failed: %s", exc)
-    print_table(rows, ["system", "seconds", "requests_per_s", "total_tok_s", "output_tok_s"])
-    if "ratio" in result:
-        print(f"pagedkv / best transformers static batch: {result['ratio']:.2f}x")
+                logger.warning("transformers continuous batching failed: %s", exc)
+                result["hf_cb_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    print_table(rows, ["system", "requests", "seconds", "requests_per_s", "total_tok_s",
+                       "output_tok_s"])
+    for key, label in (("ratio_vs_hf", "best transformers static batch"),
+                       ("ratio_vs_hf_same_requests", "the same, pagedkv on the same requests"),
+                       ("ratio_vs_hf_cb", "transformers continuous batching")):
+        if key in result:
+            print(f"pagedkv / {label}: {result[key]:.2f}x")
+    if "roofline_frac" in result:
+        print(f"roofline: the run took {secs:.1f} s, the hardware bound is "
+              f"{result['roofline_bound_s']:.1f} s ({result['roofline_frac']:.0%}); median decode "
+              f"step {result.get('decode_step_ms', 0):.2f} ms vs bound "
+              f"{result.get('decode_step_bound_ms', 0):.2f} ms "
+              f"(HBM {result['hbm_gb_s']:.0f} GB/s, matmul {result['matmul_tflop_s']:.0f} TFLOP/s)")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print_json_line(result)

@@ -1,0 +1,124 @@
+"""How close a run gets to the GPU's limits: a lower bound on each forward pass's time.
+
+A forward pass must at least read every weight it multiplies by (all but the embedding table,
+of which it gathers a few rows), read the K/V of every context token it attends to and write the
+new tokens' K/V: ``bytes / bandwidth``. It must also do its matmuls and attention products:
+``flops / matmul rate``. Its time cannot be below the larger of the two. Summed over a run's
+passes and divided by the run's wall-clock time, that is the *roofline fraction*: 1.0 would
+mean no host overhead, no idle GPU and kernels at the hardware's peak.
+
+Both rates are measured in the same run (a large device-to-device copy and a large bf16
+matmul), not taken from a datasheet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class Hardware:
+    bandwidth: float  # bytes/s, counting bytes read and written
+    matmul_flops: float  # FLOP/s of a large matmul in the model's dtype
+
+    def as_dict(self) -> dict[str, float]:
+        return {"hbm_gb_s": self.bandwidth / 1e9, "matmul_tflop_s": self.matmul_flops / 1e12}
+
+
+def _time_cuda(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+@torch.inference_mode()
+def measure_hardware(device: torch.device, dtype: torch.dtype) -> Hardware:
+    """Copy bandwidth (2 GiB buffer) and matmul rate (8192^3) on `device`, about a second."""
+    n = 1 << 30
+    bufs = [torch.empty(n, dtype=torch.int16, device=device) for _ in range(2)]
+    secs = _time_cuda(lambda: bufs[1].copy_(bufs[0]), 10)
+    bandwidth = 2 * n * 2 / secs
+    k = 8192
+    mats = [torch.randn(k, k, dtype=dtype, device=device) for _ in range(2)]
+    flops = 2 * k**3 / _time_cuda(lambda: torch.mm(mats[0], mats[1]), 10)
+    bufs.clear()
+    mats.clear()
+    torch.cuda.empty_cache()
+    return Hardware(bandwidth=bandwidth, matmul_flops=flops)
+
+
+@dataclass(slots=True)
+class ModelCost:
+    """Per-pass costs of one model: what a pass reads and computes, per token and per pair."""
+
+    weight_bytes: float  # every weight but the embedding table
+    matmul_params: int  # weights multiplied once per token (the LM head is counted per sample)
+    lm_head_params: int
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int  # QK^T and PV for one (query, key) pair, all layers and heads
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, model_config: Any, kv_bytes_per_token: int) -> ModelCost:
+        embed = lm_head = 0
+        total = 0
+        itemsize = 2
+        for name, p in model.named_parameters():
+            total += p.numel()
+            itemsize = p.element_size()
+            if "embed_tokens" in name or name.endswith("wte.weight"):
+                embed += p.numel()
+            elif "lm_head" in name:
+                lm_head += p.numel()
+        tied = lm_head == 0
+        lm_head = lm_head or model_config.hidden_size * model_config.vocab_size
+        # A tied LM head reads the embedding table once per pass as its output matrix.
+        weight_bytes = (total - embed + (lm_head if tied else 0)) * itemsize
+        c = model_config
+        return cls(
+            weight_bytes=weight_bytes,
+            matmul_params=total - embed - (0 if tied else lm_head),
+            lm_head_params=lm_head,
+            kv_bytes_per_token=kv_bytes_per_token,
+            attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim,
+        )
+
+    def pass_bound(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
+                   pairs: int) -> float:
+        """Lower bound in seconds for one pass of `tokens` new tokens over `seqs` sequences
+        that attend to `kv_tokens` cached tokens in all (`pairs` query-key pairs)."""
+        moved = self.weight_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
+        flops = (2 * self.matmul_params * tokens + 2 * self.lm_head_params * seqs
+                 + self.attn_flops_per_pair * pairs)
+        return max(moved / hw.bandwidth, flops / hw.matmul_flops)
+
+
+def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, int, int]],
+                    step_seconds: list[float], wall_seconds: float) -> dict[str, Any]:
+    """`passes[i]` = (tokens, seqs, kv_tokens, pairs) of step i and `step_seconds[i]` its
+    measured time (host work included). Returns the run's roofline fraction and the typical
+    decode pass: its bound and its measured time."""
+    bounds = [cost.pass_bound(hw, *p) for p in passes]
+    decode = [(b, t) for b, t, p in zip(bounds, step_seconds, passes) if p[0] == p[1]]
+    out: dict[str, Any] = {
+        "roofline_frac": sum(bounds) / wall_seconds if wall_seconds > 0 else 0.0,
+        "roofline_bound_s": sum(bounds),
+        "forward_passes": len(passes),
+        **hw.as_dict(),
+    }
+    if decode:
+        out["decode_passes"] = len(decode)
+        out["decode_step_bound_ms"] = median(b for b, _ in decode) * 1e3
+        out["decode_step_ms"] = median(t for _, t in decode) * 1e3
+        out["decode_roofline_frac"] = sum(b for b, _ in decode) / sum(t for _, t in decode)
+    return out

@@ -1,0 +1,53 @@
+"""The roofline arithmetic of the throughput benchmark, checked by hand on a known shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.engine.benchmarks.roofline import Hardware, ModelCost, roofline_report
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.model_loader import load_model
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    cfg = ModelConfig.from_model("meta-llama/Meta-Llama-3-8B", load_format="dummy",
+                                 dtype="bfloat16", device="cpu")
+    model = load_model(cfg, load_format="dummy", device="meta")
+    return cfg, ModelCost.of(model, cfg, cfg.kv_bytes_per_token())
+
+
+def test_model_cost_of_llama3_8b(llama8b) -> None:
+    _, cost = llama8b
+    embed = lm_head = 128256 * 4096
+    assert cost.lm_head_params == lm_head
+    assert cost.matmul_params == 8_030_261_248 - embed - lm_head
+    assert cost.weight_bytes == (8_030_261_248 - embed) * 2  # bf16, LM head included
+    assert cost.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads
+    assert cost.attn_flops_per_pair == 4 * 32 * 32 * 128
+
+
+def test_pass_bound_is_memory_bound_for_decode_and_compute_bound_for_prefill(llama8b) -> None:
+    _, cost = llama8b
+    hw = Hardware(bandwidth=4e12, matmul_flops=800e12)
+    # decode: 256 sequences of 500 tokens each
+    decode = cost.pass_bound(hw, 256, 256, 256 * 500, 256 * 500)
+    assert decode == pytest.approx((cost.weight_bytes + (256 * 500 + 256) * 131072) / 4e12)
+    # prefill: one 4096-token prompt
+    pairs = 4096 * 4097 // 2
+    prefill = cost.pass_bound(hw, 4096, 1, 4096, pairs)
+    flops = 2 * cost.matmul_params * 4096 + 2 * cost.lm_head_params + cost.attn_flops_per_pair * pairs
+    assert prefill == pytest.approx(flops / 800e12)
+
+
+def test_roofline_report_fractions(llama8b) -> None:
+    _, cost = llama8b
+    hw = Hardware(bandwidth=4e12, matmul_flops=800e12)
+    passes = [(1000, 2, 1000, 500_000), (2, 2, 1002, 1002), (2, 2, 1004, 1004)]
+    bounds = [cost.pass_bound(hw, *p) for p in passes]
+    steps = [2 * b for b in bounds]  # every step twice its bound
+    report = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps))
+    assert report["roofline_frac"] == pytest.approx(0.5)
+    assert report["decode_passes"] == 2
+    assert report["decode_roofline_frac"] == pytest.approx(0.5)
+    assert report["hbm_gb_s"] == pytest.approx(4000)
