@@ -155,6 +155,20 @@ def keyed_server(_launches: dict[str, Launch]) -> RunningServer:
 
 
 @pytest.fixture(scope="session")
+def tokfree_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """`pagedkv serve --skip-tokenizer-init`: the embedded model served on token ids alone (the
+    way the GPU benchmarks serve bundled shape-only configs, which have no tokenizer).
+
+    Started only when a test asks for it; its KV cache is small (a few short requests)."""
+    log = tmp_path_factory.mktemp("tokfree") / "tokfree.log"
+    launch = launch_server(log, "--skip-tokenizer-init", "--kv-cache-gb", "0.25")
+    try:
+        yield wait_ready(launch)
+    finally:
+        stop_server(launch.process)
+
+
+@pytest.fixture(scope="session")
 def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 

@@ -104,3 +104,180 @@ def test_workload_lengths_and_percentiles() -> None:
     assert bench_serve._pct(values, 99) == pytest.approx(ordered[99])
     assert bench_serve._pct([], 99) == 0.0
     assert not math.isnan(bench_serve._pct([1.0], 99))
+
+
+# ---- tokenizer-free servers and the request-rate sweep ---------------------------------------
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_bench_serve_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def _sse(*events: dict) -> bytes:
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return body.encode()
+
+
+def _stream_result(body: bytes) -> bench_serve.RequestResult:
+    import asyncio
+
+    import httpx
+
+    async def go() -> bench_serve.RequestResult:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            spec = bench_serve.RequestSpec([1, 2, 3], 5)
+            return await bench_serve._one_request(
+                client, "http://x/v1/completions", _args(), "m", spec
+            )
+
+    return asyncio.run(go())
+
+
+def test_chunks_with_token_ids_count_as_that_many_tokens() -> None:
+    """A server without a tokenizer streams empty text and token ids: still tokens."""
+    chunk = lambda ids: {"choices": [{"index": 0, "text": "", "token_ids": ids}]}  # noqa: E731
+    r = _stream_result(_sse(chunk([5, 6]), chunk([7]), chunk([8, 9])))
+    assert r.ok and r.output_tokens == 5 and len(r.itl) == 2 and 0 < r.ttft <= r.e2e
+    # a text-only chunk is one token; the usage chunk, when sent, is exact
+    text = {"choices": [{"index": 0, "text": "ab"}]}
+    assert _stream_result(_sse(text, text)).output_tokens == 2
+    usage = {"choices": [], "usage": {"completion_tokens": 7}}
+    assert _stream_result(_sse(chunk([5, 6]), usage)).output_tokens == 7
+    # nothing but empty text is no token at all
+    empty = _stream_result(_sse({"choices": [{"index": 0, "text": ""}]}))
+    assert not empty.ok and empty.error == "no tokens streamed"
+
+
+def _done(e2e: float, tokens: int, ttft: float = 0.1) -> bench_serve.RequestResult:
+    return bench_serve.RequestResult(
+        ok=True, prompt_len=4, output_tokens=tokens, ttft=ttft, e2e=e2e
+    )
+
+
+def test_normalized_latency_is_the_mean_of_each_requests_latency_per_token() -> None:
+    results = [_done(2.0, 10), _done(1.0, 4), _done(0.3, 1), bench_serve.RequestResult(error="x")]
+    s = bench_serve.summarize(results, duration=4.0, model="m")
+    # (2/10 + 1/4 + 0.3/1) / 3, not total latency / total tokens (3.3 / 15 = 0.22)
+    assert s["normalized_latency_s_per_token"] == pytest.approx((0.2 + 0.25 + 0.3) / 3)
+    assert s["completed"] == 3 and s["failed"] == 1
+    assert s["output_throughput"] == pytest.approx(15 / 4.0)
+    none = bench_serve.summarize([bench_serve.RequestResult(error="x")], 1.0, "m")
+    assert none["normalized_latency_s_per_token"] is None
+
+
+def _rate(rate: float, norm: float | None, failed: int = 0) -> dict:
+    return {
+        "request_rate": rate,
+        "normalized_latency_s_per_token": norm,
+        "completed": 0 if norm is None else 10,
+        "failed": failed,
+    }
+
+
+def test_sustainable_rate() -> None:
+    summary = bench_serve.sweep_summary
+    # given in any order; the bound falls between 4 and 8
+    s = summary([_rate(8, 0.5), _rate(1, 0.05), _rate(4, 0.19), _rate(2, 0.06)], 0.2)
+    assert (s["sustainable_rate"], s["first_rate_over_bound"], s["status"]) == (4, 8, "crossed")
+    assert s["latency_bound_s_per_token"] == 0.2
+    # exactly at the bound is within it
+    assert summary([_rate(1, 0.2), _rate(2, 0.3)], 0.2)["sustainable_rate"] == 1
+    # even the lowest rate exceeds the bound
+    s = summary([_rate(1, 0.25), _rate(2, 0.5)], 0.2)
+    assert s["sustainable_rate"] is None and s["status"] == "lowest_rate_exceeds_bound"
+    assert "lowest rate, 1 req/s" in s["note"] and "noisy" not in s["note"]
+    s = summary([_rate(1, 0.25), _rate(2, 0.1)], 0.2)
+    assert s["sustainable_rate"] is None and s["highest_rate_within_bound"] == 2
+    assert "noisy" in s["note"]
+    # every rate within: the sustainable rate is at least the highest tested
+    s = summary([_rate(1, 0.01), _rate(2, 0.02)], 0.2)
+    assert s["sustainable_rate"] == 2 and s["status"] == "all_rates_within_bound"
+    assert s["first_rate_over_bound"] is None and "test higher rates" in s["note"]
+    # failed requests or nothing completed: that rate is not sustained
+    s = summary([_rate(1, 0.01), _rate(2, 0.02, failed=1), _rate(4, 0.03)], 0.2)
+    assert s["sustainable_rate"] == 1 and s["first_rate_over_bound"] == 2
+    # a noisy point above the first crossing does not raise the sustainable rate
+    assert s["highest_rate_within_bound"] == 4 and "noisy" in s["note"]
+    assert summary([_rate(1, None)], 0.2)["sustainable_rate"] is None
+    with pytest.raises(ValueError, match="at least one rate"):
+        summary([], 0.2)
+    with pytest.raises(ValueError, match="> 0"):
+        summary([_rate(1, 0.1)], 0.0)
+
+
+def test_rates_and_sweep_options_are_checked() -> None:
+    assert bench_serve.parse_rates("8, 2,4,2") == [2.0, 4.0, 8.0]
+    for bad, match in (
+        ("1,x", "not a number"),
+        ("0,1", "> 0"),
+        ("1,inf", "finite"),
+        (",", "at least"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bench_serve.parse_rates(bad)
+    assert _args("--request-rates", "1,2").request_rates == [1.0, 2.0]
+    for argv, match in (
+        (["--request-rates", "1,2", "--request-rate", "3"], "not both"),
+        (["--plot", "x.png"], "--request-rates"),
+        (["--request-rates", "1", "--latency-bound", "0"], "latency-bound"),
+        (["--request-rates", "1", "--pause-between-rates", "-1"], "pause"),
+        (["--request-rates", "1", "--warmup-requests", "-1"], "warmup"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bench_serve._check(_args(*argv))
+
+
+@pytest.mark.slow
+def test_request_rate_sweep_against_the_tokenizer_free_server(tokfree_server, tmp_path) -> None:
+    """Two rates, a few short requests, on the server without a tokenizer: every figure of the
+    last JSON line agrees with the run and with the summary math."""
+    result_json, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    cmd = [
+        *pagedkv_command(),
+        "bench",
+        "serve",
+        "--base-url",
+        tokfree_server.url,
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--num-prompts",
+        "4",
+        "--request-rates",
+        "8,4",
+        "--latency-bound",
+        "0.2",
+        "--vocab-size",
+        "49152",
+        "--result-json",
+        str(result_json),
+        "--plot",
+        str(plot),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert sum(line.startswith("Mean normalized latency (s/token):") for line in lines) == 2
+    assert any(line.startswith("latency bound 0.2 s/token:") for line in lines)
+    out = json.loads(lines[-1])
+    assert [r["request_rate"] for r in out["rates"]] == [4.0, 8.0]
+    for r in out["rates"]:
+        assert r["completed"] == 4 and r["failed"] == 0
+        # every request generates 4 tokens (ignore_eos): latency per token is e2e / 4
+        assert r["normalized_latency_s_per_token"] == pytest.approx(
+            r["mean_e2el_ms"] / 1000 / 4, rel=1e-3, abs=1e-4
+        )
+        assert r["output_throughput"] == pytest.approx(4 * r["request_throughput"], rel=1e-2)
+        assert 0 < r["mean_ttft_ms"] <= r["mean_e2el_ms"] and r["median_tpot_ms"] > 0
+    expected = bench_serve.sweep_summary(out["rates"], 0.2)
+    for key in ("sustainable_rate", "status", "first_rate_over_bound", "latency_bound_s_per_token"):
+        assert out[key] == expected[key]
+    saved = json.loads(result_json.read_text())
+    assert saved["summary"]["status"] == out["status"] and len(saved["rates"]) == 2
+    assert saved["setup"]["options"]["request_rates"] == [4.0, 8.0]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -178,6 +178,10 @@ def build_app(
     )
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.resolve_model(body.model)
+        serving.require_tokenizer(
+            "messages" if body.messages is not None else "prompt",
+            "/tokenize has nothing to tokenize with",
+        )
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
         if body.messages is not None:
@@ -198,8 +202,9 @@ def build_app(
     )
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.resolve_model(body.model)
+        tokenizer = serving.require_tokenizer("tokens", "/detokenize has nothing to decode with")
         serving.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     @app.get("/version", response_model=VersionResponse, summary="Server and engine versions")
     async def version() -> VersionResponse:

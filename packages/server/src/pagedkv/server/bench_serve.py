@@ -13,6 +13,16 @@ workload of `pagedkv.scheduler.workloads` (ShareGPT-like conversations, Alpaca-l
 instructions) or a file of real lengths.
 Generation runs with `ignore_eos` so each request produces exactly its output length
 (`--no-ignore-eos` for servers that reject the field).
+
+Tokens are counted from the stream: a chunk that carries `token_ids` (vLLM's `return_token_ids`,
+and every chunk of a server without a tokenizer, whose text is empty) counts as that many
+tokens, a chunk with only text as one; the final usage, when the server sends it, is exact.
+
+`--request-rates 1,2,4,...` sweeps the request rate, as the PagedAttention paper's figures do:
+the same seeded requests (and the same arrival pattern, scaled) at each rate, one table each, then
+the paper's *normalized latency* (the mean over requests of end-to-end latency divided by output
+tokens, in s/token) against the rate, and the *sustainable rate*: the highest rate whose
+normalized latency stays within `--latency-bound` (default 0.2 s/token, see `DEFAULT_LATENCY_BOUND`).
 """
 
 from __future__ import annotations
@@ -27,10 +37,42 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+#: Default bound on normalized latency for `--request-rates`, in seconds per output token.
+#: 0.2 s/token is 5 tokens/s per user over the whole request, queueing and prefill included:
+#: about the pace at which people read (200-300 words a minute, at ~1.3 tokens a word, is
+#: 4.5-6.5 tokens/s). Slower than that, a streamed answer makes its reader wait. It is also
+#: the region where the paper's curves turn upward: below saturation a GPU serving an 8B model
+#: stays near its decode time per token (tens of ms); past saturation queueing makes the
+#: normalized latency grow without bound, so the sustainable rate barely moves with the exact
+#: bound chosen.
+DEFAULT_LATENCY_BOUND = 0.2
+
+#: Per-rate figures of the sweep's last JSON line (the --result-json file has every figure).
+SWEEP_KEYS = (
+    "request_rate",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_e2el_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "normalized_latency_s_per_token",
+    "completed",
+    "failed",
+    "duration_s",
+)
 
 
 @dataclass(slots=True)
@@ -86,6 +128,7 @@ async def _one_request(
     start = time.perf_counter()
     last = start
     chunks = 0
+    streamed_tokens = 0
     usage_tokens: int | None = None
     done = False
     try:
@@ -108,7 +151,9 @@ async def _one_request(
                 if event.get("usage"):
                     usage_tokens = int(event["usage"].get("completion_tokens", 0))
                 choices = event.get("choices") or []
-                if any(c.get("text") for c in choices):
+                # token_ids: a server without a tokenizer streams empty text and the ids
+                n_ids = sum(len(c.get("token_ids") or ()) for c in choices)
+                if n_ids or any(c.get("text") for c in choices):
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start
@@ -116,6 +161,7 @@ async def _one_request(
                         result.itl.append(now - last)
                     last = now
                     chunks += 1
+                    streamed_tokens += n_ids or 1
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
@@ -123,7 +169,7 @@ async def _one_request(
         result.error = "stream ended without [DONE]"
         return result
     result.e2e = time.perf_counter() - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.output_tokens = usage_tokens if usage_tokens is not None else streamed_tokens
     result.ok = chunks > 0
     if not result.ok:
         result.error = "no tokens streamed"
@@ -137,35 +183,106 @@ async def _arrivals(rate: float, n: int, rng: random.Random):
             await asyncio.sleep(rng.expovariate(rate))
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    base = args.base_url.rstrip("/")
+def _client(args: argparse.Namespace) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
-        model = args.model
-        if model is None:
-            resp = await client.get(base + "/v1/models")
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
+    return httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits)
+
+
+async def _model_name(client: httpx.AsyncClient, base: str, args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return str(args.model)
+    resp = await client.get(base + "/v1/models")
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+async def _send_all(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    model: str,
+    specs: list[RequestSpec],
+    rate: float,
+) -> tuple[list[RequestResult], float]:
+    """Send `specs` arriving as a Poisson process at `rate`; (results, wall time).
+
+    The arrival gaps come from a generator seeded with `--seed` alone, so every rate of a sweep
+    sees the same pattern of gaps, only scaled by 1/rate (`expovariate` divides one draw by the
+    rate): the curves differ by the rate, not by the luck of the draw.
+    """
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    rng = random.Random(args.seed + 1)
+
+    async def limited(spec: RequestSpec) -> RequestResult:
+        if sem is None:
+            return await _one_request(client, url, args, model, spec)
+        async with sem:
+            return await _one_request(client, url, args, model, spec)
+
+    tasks = []
+    start = time.perf_counter()
+    async for i in _arrivals(rate, len(specs), rng):
+        tasks.append(asyncio.ensure_future(limited(specs[i])))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+def _single_rate(args: argparse.Namespace) -> float:
+    return math.inf if args.request_rate is None else float(args.request_rate)
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """One run at `--request-rate`; the summary of `summarize`."""
+    base = args.base_url.rstrip("/")
+    async with _client(args) as client:
+        model = await _model_name(client, base, args)
         specs = make_requests(args)
-        url = base + args.endpoint
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        rng = random.Random(args.seed + 1)
-
-        async def limited(spec: RequestSpec) -> RequestResult:
-            if sem is None:
-                return await _one_request(client, url, args, model, spec)
-            async with sem:
-                return await _one_request(client, url, args, model, spec)
-
-        tasks = []
-        start = time.perf_counter()
-        async for i in _arrivals(args.request_rate, len(specs), rng):
-            tasks.append(asyncio.ensure_future(limited(specs[i])))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        results, duration = await _send_all(
+            client, base + args.endpoint, args, model, specs, _single_rate(args)
+        )
     return summarize(results, duration, model)
+
+
+async def _warm_up(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    model: str,
+    specs: list[RequestSpec],
+) -> list[RequestResult]:
+    """A few short requests all at once before measuring (kernel compilation, first
+    allocations); their prompts are the first requests', outputs cut to 16 tokens."""
+    warm = [RequestSpec(s.prompt, min(s.output_len, 16)) for s in specs[: args.warmup_requests]]
+    return list(await asyncio.gather(*(_one_request(client, url, args, model, s) for s in warm)))
+
+
+async def run_sweep(
+    args: argparse.Namespace,
+    on_rate: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The same requests at each of `--request-rates` (ascending); `on_rate(summary)` after
+    each. Returns {"model", "warmup_failed", "rates": [summary + request_rate, ...]}."""
+    base = args.base_url.rstrip("/")
+    url = base + args.endpoint
+    per_rate: list[dict[str, Any]] = []
+    warmup_failed = 0
+    async with _client(args) as client:
+        model = await _model_name(client, base, args)
+        specs = make_requests(args)
+        if args.warmup_requests:
+            warm = await _warm_up(client, url, args, model, specs)
+            warmup_failed = sum(not r.ok for r in warm)
+        for k, rate in enumerate(args.request_rates):
+            if k and args.pause_between_rates > 0:
+                await asyncio.sleep(args.pause_between_rates)
+            results, duration = await _send_all(client, url, args, model, specs, rate)
+            summary = {"request_rate": rate, **summarize(results, duration, model)}
+            per_rate.append(summary)
+            if on_rate is not None:
+                on_rate(summary)
+    return {"model": model, "warmup_failed": warmup_failed, "rates": per_rate}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -185,6 +302,9 @@ def summarize(results: list[RequestResult], duration: float, model: str) -> dict
     e2es = [r.e2e * 1000 for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
+    # The PagedAttention paper's normalized latency: each request's end-to-end latency over
+    # its output length, averaged over requests (s/token). None when nothing completed.
+    per_token = [r.e2e / r.output_tokens for r in ok if r.output_tokens > 0]
     summary: dict[str, Any] = {
         "model": model,
         "completed": len(ok),
@@ -195,6 +315,7 @@ def summarize(results: list[RequestResult], duration: float, model: str) -> dict
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": out_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
+        "normalized_latency_s_per_token": statistics.fmean(per_token) if per_token else None,
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es)):
@@ -204,8 +325,84 @@ def summarize(results: list[RequestResult], duration: float, model: str) -> dict
     return summary
 
 
+def sweep_summary(per_rate: list[dict[str, Any]], bound: float) -> dict[str, Any]:
+    """The sustainable rate of a sweep under a normalized-latency bound (s/token).
+
+    A rate is *within the bound* when every request completed and the normalized latency is at
+    most `bound` (a server that fails requests does not sustain that rate). The sustainable rate
+    is the highest rate such that it and every lower rate tested are within the bound: a noisy
+    point above the first crossing does not count (it is reported as
+    `highest_rate_within_bound`). `status` says where the bound fell:
+    "crossed" (between two tested rates), "lowest_rate_exceeds_bound" (no rate sustainable: test
+    lower rates) or "all_rates_within_bound" (the sustainable rate is at least the highest
+    tested: test higher rates).
+    """
+    if not per_rate:
+        raise ValueError("a sweep summary needs at least one rate's results")
+    if not bound > 0:
+        raise ValueError(f"the latency bound must be > 0 s/token (got {bound})")
+    ordered = sorted(per_rate, key=lambda s: s["request_rate"])
+
+    def within(s: dict[str, Any]) -> bool:
+        norm = s.get("normalized_latency_s_per_token")
+        return s["completed"] > 0 and s["failed"] == 0 and norm is not None and norm <= bound
+
+    flags = [within(s) for s in ordered]
+    rates = [float(s["request_rate"]) for s in ordered]
+    sustainable: float | None = None
+    first_over: float | None = None
+    for rate, ok in zip(rates, flags):
+        if not ok:
+            first_over = rate
+            break
+        sustainable = rate
+    if sustainable is None:
+        status = "lowest_rate_exceeds_bound"
+        note = (
+            f"even the lowest rate, {_rate(rates[0])} req/s, exceeds {bound:g} s/token "
+            "(or fails requests): no tested rate is sustainable; test lower rates"
+        )
+    elif first_over is None:
+        status = "all_rates_within_bound"
+        note = (
+            f"every rate up to the highest tested, {_rate(rates[-1])} req/s, stays within "
+            f"{bound:g} s/token: the sustainable rate is at least that; test higher rates"
+        )
+    else:
+        status = "crossed"
+        note = (
+            f"sustainable rate {_rate(sustainable)} req/s: normalized latency within "
+            f"{bound:g} s/token up to it, over the bound (or failing requests) at "
+            f"{_rate(first_over)} req/s"
+        )
+    within_rates = [r for r, ok in zip(rates, flags) if ok]
+    highest = max(within_rates) if within_rates else None
+    if highest is not None and (sustainable is None or highest > sustainable):
+        note += f"; {_rate(highest)} req/s is within the bound again (a noisy curve)"
+    return {
+        "latency_bound_s_per_token": bound,
+        "sustainable_rate": sustainable,
+        "status": status,
+        "first_rate_over_bound": first_over,
+        "highest_rate_within_bound": highest,
+        "note": note,
+    }
+
+
+def _rate(r: float) -> str:
+    return f"{r:g}"
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def format_report(s: dict[str, Any]) -> str:
-    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    rate = s.get("request_rate")
+    title = " Serving Benchmark Result "
+    if rate is not None:
+        title = f" Serving Benchmark Result @ {_rate(rate)} req/s "
+    lines = ["{s:{c}^50}".format(s=title, c="=")]
 
     def row(label: str, value: Any) -> None:
         text = f"{value:.2f}" if isinstance(value, float) else str(value)
@@ -229,10 +426,110 @@ def format_report(s: dict[str, Any]) -> str:
         row(f"Mean {label} (ms):", s[f"mean_{key}_ms"])
         row(f"Median {label} (ms):", s[f"median_{key}_ms"])
         row(f"P99 {label} (ms):", s[f"p99_{key}_ms"])
+    lines.append("{s:{c}^50}".format(s=" Normalized latency (E2EL / output tokens) ", c="-"))
+    row("Mean normalized latency (s/token):", _fmt(s.get("normalized_latency_s_per_token"), ".4f"))
     lines.append("=" * 50)
     if s["errors"]:
         lines.append("errors: " + "; ".join(s["errors"]))
     return "\n".join(lines)
+
+
+def format_sweep_table(per_rate: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """One row per rate: the curve at a glance, then the sustainable rate."""
+    head = (
+        f"{'rate':>7} {'req/s':>7} {'out tok/s':>10} "
+        f"{'TTFT ms mean/med/p99':>24} {'TPOT ms mean/med/p99':>24} "
+        f"{'E2E s mean/med/p99':>22} {'norm s/tok':>10} {'ok':>5} {'fail':>4}"
+    )
+    lines = ["{s:{c}^120}".format(s=" Request-rate sweep ", c="="), head, "-" * len(head)]
+
+    def three(s: dict[str, Any], key: str, scale: float, spec: str) -> str:
+        return "/".join(format(s[f"{k}_{key}_ms"] * scale, spec) for k in ("mean", "median", "p99"))
+
+    for s in sorted(per_rate, key=lambda x: x["request_rate"]):
+        lines.append(
+            f"{_rate(s['request_rate']):>7} {s['request_throughput']:>7.2f} "
+            f"{s['output_throughput']:>10.1f} {three(s, 'ttft', 1, '.0f'):>24} "
+            f"{three(s, 'tpot', 1, '.1f'):>24} {three(s, 'e2el', 1e-3, '.2f'):>22} "
+            f"{_fmt(s['normalized_latency_s_per_token'], '.4f'):>10} "
+            f"{s['completed']:>5} {s['failed']:>4}"
+        )
+    lines.append("-" * len(head))
+    lines.append(
+        f"latency bound {summary['latency_bound_s_per_token']:g} s/token: {summary['note']}"
+    )
+    return "\n".join(lines)
+
+
+def plot_sweep(
+    per_rate: list[dict[str, Any]], summary: dict[str, Any], path: str | Path, title: str
+) -> str | None:
+    """Normalized latency against request rate, the bound as a horizontal line; None when
+    written, else why not (matplotlib missing). matplotlib is imported here only, so the
+    benchmark runs without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot written (pip install matplotlib)"
+    points = sorted(
+        (float(s["request_rate"]), float(s["normalized_latency_s_per_token"]))
+        for s in per_rate
+        if s.get("normalized_latency_s_per_token") is not None
+    )
+    bound = float(summary["latency_bound_s_per_token"])
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    try:
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label="measured")
+        ax.axhline(bound, color="tab:red", linestyle="--", label=f"bound {bound:g} s/token")
+        if summary.get("sustainable_rate") is not None:
+            ax.axvline(
+                summary["sustainable_rate"],
+                color="gray",
+                linestyle=":",
+                label=f"sustainable {_rate(summary['sustainable_rate'])} req/s",
+            )
+        # Past saturation the latency grows without bound; like the paper's figures, the axis
+        # stops at a few times the bound so that the flat part stays readable.
+        top = max((p[1] for p in points), default=bound)
+        ax.set_ylim(0, min(max(top * 1.1, bound * 2), bound * 5))
+        ax.set_xlim(left=0)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("normalized latency (s/token)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return None
+
+
+def parse_rates(text: str) -> list[float]:
+    """`1,2,4.5` -> [1.0, 2.0, 4.5], ascending, each once; a clear error otherwise."""
+    rates: list[float] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(
+                f"--request-rates: {part!r} is not a number (give e.g. 1,2,4,8)"
+            ) from None
+        if not (rate > 0 and math.isfinite(rate)):
+            raise ValueError(
+                f"--request-rates: {part!r} must be a finite rate > 0 "
+                "(for all requests at once use --request-rate inf)"
+            )
+        rates.append(rate)
+    if not rates:
+        raise ValueError("--request-rates: give at least one rate, e.g. 1,2,4,8")
+    return sorted(set(rates))
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -265,11 +562,13 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="drawn lengths with input + output above this are drawn again (default 2048)",
     )
-    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    parser.add_argument(
+        "--num-prompts", type=int, default=100, help="requests to send (at each rate of a sweep)"
+    )
     parser.add_argument(
         "--request-rate",
         type=float,
-        default=math.inf,
+        default=None,
         help="requests per second, Poisson arrivals; inf sends all at once (default)",
     )
     parser.add_argument(
@@ -298,13 +597,62 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="do not send ignore_eos (outputs may then end early)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--result-json",
+        default=None,
+        metavar="PATH",
+        help="also write the setup and every figure (each rate's, and the sweep's summary) "
+        "to this JSON file",
+    )
+    g = parser.add_argument_group(
+        "request-rate sweep",
+        "normalized latency (mean of end-to-end latency / output tokens) against request "
+        "rate, as in the PagedAttention paper's figures",
+    )
+    g.add_argument(
+        "--request-rates",
+        type=parse_rates,
+        default=None,
+        metavar="R1,R2,...",
+        help="sweep: the same seeded requests at each of these rates (req/s, Poisson "
+        "arrivals), ascending; replaces --request-rate",
+    )
+    g.add_argument(
+        "--latency-bound",
+        type=float,
+        default=DEFAULT_LATENCY_BOUND,
+        metavar="S",
+        help="normalized latency (s/token) a rate must stay within to count as sustainable "
+        f"(default {DEFAULT_LATENCY_BOUND}: 5 tokens/s per user, about reading speed)",
+    )
+    g.add_argument(
+        "--pause-between-rates",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds to wait between rates, letting the server settle (default 0)",
+    )
+    g.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="before the sweep, send the first N requests at once, cut to 16 output tokens, "
+        "and do not count them (kernel compilation and first allocations; default 0)",
+    )
+    g.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="draw normalized latency against request rate, the bound as a line (matplotlib)",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
     for name in ("input_len", "output_len", "num_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if not args.request_rate > 0:
+    if args.request_rate is not None and not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (or inf)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
@@ -312,16 +660,58 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("need 0 <= --min-token-id < --vocab-size")
     if args.max_total_len < 2:
         raise ValueError("--max-total-len must be >= 2")
+    if args.request_rates is not None and args.request_rate is not None:
+        raise ValueError("give --request-rate (one run) or --request-rates (a sweep), not both")
+    if args.request_rates is None and args.plot:
+        raise ValueError("--plot draws a sweep: give --request-rates too")
+    if not (args.latency_bound > 0 and math.isfinite(args.latency_bound)):
+        raise ValueError("--latency-bound must be a finite number of seconds per token > 0")
+    if not (args.pause_between_rates >= 0 and math.isfinite(args.pause_between_rates)):
+        raise ValueError("--pause-between-rates must be >= 0 seconds")
+    if args.warmup_requests < 0:
+        raise ValueError("--warmup-requests must be >= 0")
     if args.workload != "random":
         from pagedkv.scheduler.workloads import sample_lengths
 
         sample_lengths(args.workload, 0, max_total=args.max_total_len)  # a clear error for a typo
 
 
-def run_bench_serve(args: argparse.Namespace) -> int:
-    _check(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
-    rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g} req/s (Poisson)"
+def _json_ready(value: Any) -> Any:
+    """Floats rounded for reading, inf as the string "inf" (JSON has no infinity)."""
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else round(value, 4)
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    return value
+
+
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedkv.server.__about__ import __version__
+
+    options = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    return {
+        "benchmark": "pagedkv bench serve",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "client": f"Python {platform.python_version()} on {platform.machine()}, "
+        f"httpx {httpx.__version__}, pagedkv-server {__version__}",
+        "command": " ".join(sys.argv),
+        "options": _json_ready(options),
+    }
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(_json_ready(data), indent=2) + "\n", encoding="utf-8")
+
+
+def _print_header(args: argparse.Namespace) -> None:
+    if args.request_rates is not None:
+        rate = ", ".join(_rate(r) for r in args.request_rates) + " req/s (Poisson), a sweep"
+    else:
+        r = _single_rate(args)
+        rate = "inf" if r == math.inf else f"{r:g} req/s (Poisson)"
     lengths = (
         f"input {args.input_len}, output {args.output_len} tokens"
         if args.workload == "random"
@@ -333,9 +723,79 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print(
         f"  client: Python {platform.python_version()} on {platform.machine()}, httpx {httpx.__version__}"
     )
+
+
+def _run_sweep_cli(args: argparse.Namespace) -> int:
+    print(
+        f"  latency bound: {args.latency_bound:g} s/token; "
+        f"pause between rates: {args.pause_between_rates:g} s; "
+        f"warm-up requests: {args.warmup_requests}",
+        flush=True,
+    )
+    setup = _setup(args)
+    done: list[dict[str, Any]] = []
+
+    def save(per_rate: list[dict[str, Any]], summary: dict[str, Any], partial: bool) -> str | None:
+        """Write the JSON and the plot; why the plot was not drawn, or None."""
+        model = per_rate[0]["model"]
+        if args.result_json:
+            record = {"setup": setup, "model": model, "partial": partial}
+            _write_json(args.result_json, {**record, "summary": summary, "rates": per_rate})
+        if not args.plot:
+            return None
+        title = f"{model}, {args.workload}, {args.num_prompts} requests per rate"
+        return plot_sweep(per_rate, summary, args.plot, title)
+
+    def show(summary: dict[str, Any]) -> None:
+        print(format_report(summary), flush=True)
+        done.append(summary)
+        if len(done) < len(args.request_rates):
+            # a long sweep that is cut short keeps the rates it finished
+            save(done, sweep_summary(done, args.latency_bound), partial=True)
+
+    sweep = asyncio.run(run_sweep(args, on_rate=show))
+    per_rate = sweep["rates"]
+    summary = sweep_summary(per_rate, args.latency_bound)
+    print(f"  model: {sweep['model']}")
+    if sweep["warmup_failed"]:
+        print(f"  warning: {sweep['warmup_failed']} warm-up request(s) failed")
+    print(format_sweep_table(per_rate, summary))
+    why_not = save(per_rate, summary, partial=False)
+    if args.plot:
+        print(f"  plot: {args.plot}" if why_not is None else f"  plot: {why_not}")
+    if args.result_json:
+        print(f"  results: {args.result_json}")
+    line = {
+        "model": sweep["model"],
+        "workload": args.workload,
+        "num_prompts": args.num_prompts,
+        **{k: v for k, v in summary.items() if k != "note"},
+        "rates": [{k: s[k] for k in SWEEP_KEYS} for s in per_rate],
+    }
+    print(json.dumps(_json_ready(line)))
+    return 0 if any(s["completed"] > 0 for s in per_rate) else 1
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    _check(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
+    _print_header(args)
+    if args.request_rates is not None:
+        return _run_sweep_cli(args)
     summary = asyncio.run(run_benchmark(args))
     print(f"  model: {summary['model']}")
     print(format_report(summary))
+    if args.result_json:
+        rate = _single_rate(args)
+        _write_json(
+            args.result_json,
+            {
+                "setup": _setup(args),
+                "model": summary["model"],
+                "rates": [{"request_rate": rate, **summary}],
+            },
+        )
+        print(f"  results: {args.result_json}")
     keys = (
         "request_throughput",
         "output_throughput",
@@ -351,12 +811,18 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "mean_e2el_ms",
         "median_e2el_ms",
         "p99_e2el_ms",
+        "normalized_latency_s_per_token",
         "completed",
         "failed",
         "duration_s",
     )
     line = {
-        k: (round(summary[k], 3) if isinstance(summary[k], float) else summary[k]) for k in keys
+        k: (
+            round(summary[k], 3 if k.endswith("_ms") else 4)
+            if isinstance(summary[k], float)
+            else summary[k]
+        )
+        for k in keys
     }
     print(json.dumps(line))
     return 0 if summary["completed"] > 0 else 1

@@ -89,6 +89,11 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool | None = False
     suffix: str | None = None
+    return_token_ids: bool | None = Field(
+        None,
+        description="vLLM's extra: each choice also carries its `token_ids` (and "
+        "`prompt_token_ids`); always on when the server runs without a tokenizer",
+    )
 
 
 class TextContentPart(BaseModel):
@@ -145,6 +150,10 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extras (with `return_token_ids`, or a server without a tokenizer): the generated
+    # ids (in a streamed chunk, the new ones) and the prompt's (in a stream, first chunk only).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -57,6 +57,11 @@ LOGPROB_FLOOR = -9999.0
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
+#: What a request that needs text gets from a server whose engine has no tokenizer.
+NO_TOKENIZER = (
+    "this server runs without a tokenizer (--skip-tokenizer-init): send prompts as token ids"
+)
+
 
 def _clean_logprob(value: float | None) -> float:
     if value is None or math.isnan(value):
@@ -88,7 +93,13 @@ class _ChoiceState:
 
 
 class OpenAIServing:
-    """Holds the engine, a private tokenizer and the metrics; one instance per app."""
+    """Holds the engine, a private tokenizer and the metrics; one instance per app.
+
+    An engine without a tokenizer (`--skip-tokenizer-init`, or a bundled shape-only config for
+    benchmarks) is served on token ids alone, as vLLM does: completions take token-id prompts
+    and answer with `token_ids` and empty text; whatever needs text (text prompts, chat, stop
+    strings, /tokenize, /detokenize) gets a 400 that says so.
+    """
 
     def __init__(self, engine: Any, served_model_names: list[str], metrics: ServerMetrics) -> None:
         if not served_model_names:
@@ -97,17 +108,29 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
         shared = engine.get_tokenizer()
-        # A private copy: Hugging Face fast tokenizers are not safe to use from two threads at
-        # once, and the engine thread detokenizes while we tokenize on the event loop.
-        try:
-            self.tokenizer = copy.deepcopy(shared)
-        except Exception:  # pragma: no cover - a tokenizer that cannot be copied
-            logger.warning("could not copy the tokenizer; sharing the engine's")
-            self.tokenizer = shared
+        self.tokenizer: Any = None
+        if shared is None:
+            logger.info("the engine has no tokenizer: serving token-id prompts only")
+        else:
+            # A private copy: Hugging Face fast tokenizers are not safe to use from two threads
+            # at once, and the engine thread detokenizes while we tokenize on the event loop.
+            try:
+                self.tokenizer = copy.deepcopy(shared)
+            except Exception:  # pragma: no cover - a tokenizer that cannot be copied
+                logger.warning("could not copy the tokenizer; sharing the engine's")
+                self.tokenizer = shared
         config = engine.model_config
         self.max_model_len = int(config.max_model_len)
         vocab = getattr(config, "vocab_size", None)
-        self.vocab_size = int(vocab) if vocab else len(self.tokenizer)
+        if vocab:
+            self.vocab_size = int(vocab)
+        elif self.tokenizer is not None:
+            self.vocab_size = len(self.tokenizer)
+        else:
+            raise ValueError(
+                "the engine has neither a tokenizer nor a vocab_size in its model config, so "
+                "prompt token ids cannot be checked; give the model config a vocab_size"
+            )
         self._decode_cache: dict[int, str] = {}
 
     # ---- checks shared by all endpoints ----------------------------------------------------
@@ -130,13 +153,27 @@ class OpenAIServing:
                     f"token id {t} is out of the vocabulary (0..{self.vocab_size - 1})", param
                 )
 
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer is not None
+
+    def require_tokenizer(self, param: str | None, why: str = "") -> Any:
+        """The tokenizer, or a 400 naming what needed it when the server runs without one."""
+        if self.tokenizer is None:
+            raise bad_request(f"{NO_TOKENIZER}; {why}" if why else NO_TOKENIZER, param)
+        return self.tokenizer
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        tokenizer = self.require_tokenizer("prompt")
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode_token(self, token_id: int, logprob: Any = None) -> str:
+        """A token's text; without a tokenizer `token_id:<id>`, as vLLM writes it."""
         decoded = getattr(logprob, "decoded_token", None)
         if decoded is not None:
             return decoded
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         cached = self._decode_cache.get(token_id)
         if cached is None:
             cached = self.tokenizer.decode([token_id])
@@ -145,6 +182,10 @@ class OpenAIServing:
         return cached
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        self.require_tokenizer(
+            "messages",
+            "chat messages need its chat template: use /v1/completions with token-id prompts",
+        )
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         conversation = []
@@ -195,6 +236,8 @@ class OpenAIServing:
             top_k = 0  # keeping every token is no top-k at all
         if req.stop_token_ids:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        if req.stop:
+            self.require_tokenizer("stop", "stop strings need one: use stop_token_ids")
         try:
             return SamplingParams(
                 n=req.n if req.n is not None else 1,
@@ -371,6 +414,7 @@ class OpenAIServing:
                 req, model, prompts, params, request_id, created, streams
             )
         finals = await self._generate_all(raw_request, prompts, params, request_id)
+        want_ids = self.returns_token_ids(req)
         choices: list[CompletionChoice] = []
         completion_tokens = 0
         for i, (prompt, out) in enumerate(zip(prompts, finals)):
@@ -394,6 +438,8 @@ class OpenAIServing:
                         logprobs=lp,
                         finish_reason=_FINISH_REASONS.get(o.finish_reason or "", o.finish_reason),
                         stop_reason=o.stop_reason if isinstance(o.stop_reason, int | str) else None,
+                        prompt_token_ids=list(prompt.token_ids) if want_ids else None,
+                        token_ids=list(o.token_ids) if want_ids else None,
                     )
                 )
         choices.sort(key=lambda c: c.index)
@@ -410,9 +456,16 @@ class OpenAIServing:
             ),
         )
 
+    def returns_token_ids(self, req: CompletionRequest) -> bool:
+        """Choices carry `token_ids` (and `prompt_token_ids`) when asked with vLLM's
+        `return_token_ids`, and always without a tokenizer, where the text is empty."""
+        return bool(req.return_token_ids) or self.tokenizer is None
+
     def _echo_text(self, prompt: PreparedPrompt) -> str:
         if prompt.text is not None:
             return prompt.text
+        if self.tokenizer is None:
+            return ""  # the echoed prompt is in prompt_token_ids
         return self.tokenizer.decode(prompt.token_ids)
 
     def completion_logprobs(
@@ -433,13 +486,18 @@ class OpenAIServing:
             for k, tid in enumerate(echo_prompt.token_ids):
                 step = prompt_logprobs[k] if prompt_logprobs and k < len(prompt_logprobs) else None
                 self._append_completion_step(result, tid, step, num_top, pos)
-                pos += len(result.tokens[-1])
+                pos += self._text_len(result.tokens[-1])
         pos = offset  # generated text starts after the echoed prompt text
         for k, tid in enumerate(token_ids):
             step = logprobs[k] if logprobs and k < len(logprobs) else None
             self._append_completion_step(result, tid, step, num_top, pos)
-            pos += len(result.tokens[-1])
+            pos += self._text_len(result.tokens[-1])
         return result
+
+    def _text_len(self, token: str) -> int:
+        # Without a tokenizer the text is empty: every token's text offset is 0, although
+        # its name in `tokens` is "token_id:<id>".
+        return len(token) if self.tokenizer is not None else 0
 
     def _append_completion_step(
         self,
@@ -477,6 +535,7 @@ class OpenAIServing:
         streams: list[AsyncIterator[Any]],
     ) -> AsyncIterator[str]:
         n = params.n
+        want_ids = self.returns_token_ids(req)
         states: dict[int, _ChoiceState] = {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens: dict[int, int] = {}
@@ -494,7 +553,8 @@ class OpenAIServing:
                     if not text and not new_ids and finish is None and st.started:
                         continue
                     prefix = ""
-                    if req.echo and not st.started:
+                    first = not st.started
+                    if req.echo and first:
                         prefix = self._echo_text(prompts[i])
                         st.prefix_len = len(prefix)
                     lp = None
@@ -504,7 +564,7 @@ class OpenAIServing:
                             o.logprobs[st.num_tokens :] if o.logprobs else None,
                             req.logprobs,
                             st.prefix_len + st.text_len,
-                            echo_prompt=prompts[i] if prefix else None,
+                            echo_prompt=prompts[i] if req.echo and first else None,
                             prompt_logprobs=getattr(out, "prompt_logprobs", None),
                         )
                     st.started = True
@@ -526,6 +586,11 @@ class OpenAIServing:
                                 stop_reason=o.stop_reason
                                 if finish is not None and isinstance(o.stop_reason, int | str)
                                 else None,
+                                # like vLLM: the prompt's ids in each choice's first chunk
+                                prompt_token_ids=list(prompts[i].token_ids)
+                                if want_ids and first
+                                else None,
+                                token_ids=list(new_ids) if want_ids else None,
                             )
                         ],
                     )
