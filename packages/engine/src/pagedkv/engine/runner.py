@@ -172,17 +172,8 @@ class ModelRunner:
         attention kernels get `max_seq_len = max_model_len` so their launch grid is the same
         for every replay; programs past a sequence's end exit at once."""
         sizes = self.graph_batch_sizes()
-        top = sizes[-1]
         dev = self.device
-        self._g_ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self._g_pos = torch.zeros(top, dtype=torch.long, device=dev)
-        self._g_slots = torch.full((top,), -1, dtype=torch.long, device=dev)
-        self._g_tables = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self._g_lens = torch.zeros(top, dtype=torch.int32, device=dev)
-        self._g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
-        self._g_stage = torch.zeros((3, top), dtype=torch.long, pin_memory=True)
-        self._g_table_stage = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32,
-                                          pin_memory=True)
+        self._alloc_graph_inputs(sizes[-1])
         pool = None
         start = torch.cuda.memory_allocated(dev)
         for b in reversed(sizes):
@@ -202,6 +193,21 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         logger.info("captured %d decode CUDA graphs (batch sizes %s), %.2f GB",
                     len(sizes), sizes, (torch.cuda.memory_allocated(dev) - start) / _GB)
+
+    def _alloc_graph_inputs(self, top: int) -> None:
+        """Static device inputs of the decode graphs (`top` rows) and their pinned host
+        staging buffers."""
+        dev = self.device
+        pin = dev.type == "cuda"
+        self._g_ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self._g_pos = torch.zeros(top, dtype=torch.long, device=dev)
+        self._g_slots = torch.full((top,), -1, dtype=torch.long, device=dev)
+        self._g_tables = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self._g_lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self._g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self._g_stage = torch.zeros((3, top), dtype=torch.long, pin_memory=pin)
+        self._g_table_stage = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32,
+                                          pin_memory=pin)
 
     def _graph_for(self, num_seqs: int) -> int | None:
         fits = [b for b in self._graphs if b >= num_seqs]

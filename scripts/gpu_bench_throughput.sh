@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Offline throughput on one H200 against Hugging Face transformers, measured in the same run
+# (issue: "beat every baseline on the PagedAttention paper's workloads").
+#
+#   bash scripts/gpu_bench_throughput.sh [llama-sharegpt llama-alpaca llama-fixed opt-sharegpt ...]
+#
+# Each named run is one `pagedkv bench throughput` call: the engine on 1,000 requests (random
+# token ids, lengths from the seeded workload, `ignore_eos`), then transformers `generate` with
+# static batches and its continuous batching on the first HF_N of the same requests, then the
+# roofline. Results: $OUT/throughput_<run>.json and .log. Models are the bundled shapes with
+# random bf16 weights (`--load-format dummy`). Tunables: NUM_PROMPTS, HF_N, MAX_NUM_SEQS.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/pagedkv-gpu-out}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+src=""
+for p in kvblocks pagedattn-kernels scheduler engine server; do src="$src:$PWD/packages/$p/src"; done
+export PYTHONPATH="/tmp/site$src"
+
+NUM_PROMPTS="${NUM_PROMPTS:-1000}"
+MAX_NUM_SEQS="${MAX_NUM_SEQS:-512}"
+runs=("$@")
+[[ ${#runs[@]} -eq 0 ]] && runs=(llama-sharegpt llama-alpaca llama-fixed opt-sharegpt)
+
+common=(--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-batched-tokens 8192
+        --max-num-seqs "$MAX_NUM_SEQS" --num-prompts "$NUM_PROMPTS" --workload-seed 0
+        --baseline hf --baseline hf-cb)
+for run in "${runs[@]}"; do
+  case "$run" in
+    llama-*) model=meta-llama/Meta-Llama-3-8B ;;
+    opt-*) model=facebook/opt-13b ;;
+    *) echo "unknown run $run"; continue ;;
+  esac
+  case "$run" in
+    *-sharegpt) wl=(--workload sharegpt --hf-num-prompts "${HF_N:-128}" --hf-batch-sizes 64,128) ;;
+    *-alpaca) wl=(--workload alpaca --hf-num-prompts "${HF_N:-256}" --hf-batch-sizes 128,256) ;;
+    *-fixed) wl=(--input-len 1024 --output-len 128 --hf-num-prompts "${HF_N:-128}" --hf-batch-sizes 32,64,128) ;;
+  esac
+  echo "=== $run: $model ${wl[*]}"
+  timeout "${RUN_TIMEOUT:-480}" python3 -m pagedkv.engine.cli bench throughput --model "$model" \
+    "${common[@]}" "${wl[@]}" --save-workload "/tmp/workload_${run}.json" \
+    --output-json "$OUT/throughput_${run}.json" 2>&1 | grep -v -E "it/s\]|req/s\]|s/req\]" \
+    | tee "$OUT/throughput_${run}.log" | grep -v -E "^\s*$" | tail -25
+done
