@@ -283,7 +283,9 @@ class LLMEngine:
         p = prep.internal_params
         gen = make_generator(child_seed(p.seed, index), self.device) if p.seed is not None else None
         detok = None
-        if not p.use_beam_search:
+        # Without text (detokenize=False, or no tokenizer) there is nothing for a detokenizer to
+        # do: stop tokens and EOS are the scheduler's, and stop strings need text.
+        if not p.use_beam_search and p.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, p,
                                            eos_token_ids=self.eos_token_ids)
         return _SeqState(index, detok, gen, [] if p.logprobs is not None else None)

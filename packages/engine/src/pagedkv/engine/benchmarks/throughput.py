@@ -51,6 +51,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=None,
                    help="measure the GPU's copy bandwidth and matmul rate in this run and report "
                         "how close each run gets to them (default: on for CUDA)")
+    g.add_argument("--profile", action="store_true",
+                   help="after the timed run, profile a short run (the first requests, 64 output "
+                        "tokens each) with torch.profiler and print where device and host time go")
     g.add_argument("--output-json", default=None, help="also write the JSON result to this file")
 
 
@@ -199,7 +202,9 @@ def run_hf_continuous(model, reqs: list[BenchRequest]) -> tuple[float, int, str]
     max_new = max(r.output_len for r in reqs)
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1)
     ctx = getattr(model, "continuous_batching_context_manager", None)
-    with torch.inference_mode():
+    # no_grad, not inference_mode: the manager's thread updates its own tensors in place, which
+    # inference tensors forbid outside inference mode.
+    with torch.no_grad():
         if ctx is not None:
             try:
                 return _hf_manager_run(ctx, cfg, reqs)
@@ -293,6 +298,11 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
         cost = ModelCost.of(engine.runner.model, mc, mc.kv_bytes_per_token())
         result.update(roofline_report(cost, hw, run.passes, run.step_seconds, secs))
 
+    print_table(rows, ["system", "requests", "seconds", "requests_per_s", "output_tok_s"])
+    if args.profile:
+        profile_pagedkv(engine, reqs)
+    _save(args, result)
+
     hf_reqs = reqs[: args.hf_num_prompts] if args.hf_num_prompts else reqs
     hf_in = sum(len(r.prompt_token_ids) for r in hf_reqs)
     hf_out = sum(r.output_len for r in hf_reqs)
@@ -324,6 +334,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     torch.cuda.empty_cache()
                     continue
                 rows.append(_row(f"hf generate (batch {bs})", s, len(hf_reqs), hf_in, hf_out))
+                print_table(rows[-1:], ["system", "requests", "seconds", "output_tok_s"])
                 if best is None or s < best[1]:
                     best = (bs, s)
             if best is not None:
@@ -333,14 +344,18 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                 if "subset_output_tok_s" in result:
                     result["ratio_vs_hf_same_requests"] = (
                         result["subset_output_tok_s"] / result["hf_best_output_tok_s"])
+                _save(args, result)
         if "hf-cb" in args.baseline:
             try:
                 s, produced, mode = run_hf_continuous(model, hf_reqs)
+                if produced == 0:
+                    raise RuntimeError("transformers' continuous batching returned no tokens")
                 rows.append(_row(f"hf continuous batching ({mode})", s, len(hf_reqs), hf_in,
                                  produced))
                 result["hf_cb_output_tok_s"] = produced / s
                 result["hf_cb_mode"] = mode
                 result["ratio_vs_hf_cb"] = result["output_tok_s"] / result["hf_cb_output_tok_s"]
+                print_table(rows[-1:], ["system", "requests", "seconds", "output_tok_s"])
             except Exception as exc:  # optional baseline: report, do not fail the run
                 logger.warning("transformers continuous batching failed: %s", exc)
                 result["hf_cb_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -357,7 +372,31 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
               f"step {result.get('decode_step_ms', 0):.2f} ms vs bound "
               f"{result.get('decode_step_bound_ms', 0):.2f} ms "
               f"(HBM {result['hbm_gb_s']:.0f} GB/s, matmul {result['matmul_tflop_s']:.0f} TFLOP/s)")
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    _save(args, result)
     print_json_line(result)
     return 0
+
+
+def _save(args: argparse.Namespace, result: dict) -> None:
+    """Write what is measured so far (a run cut short keeps its finished parts)."""
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+def profile_pagedkv(engine, reqs: list[BenchRequest]) -> None:
+    """Profile the first requests (64 output tokens each) and print the top device kernels and
+    host functions, so a run shows where its time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    short = [BenchRequest(r.prompt_token_ids, min(r.output_len, 64)) for r in reqs[:512]]
+    acts = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        run = run_pagedkv(engine, short)
+    print(f"profiled run: {len(short)} requests, {run.seconds:.2f} s (profiler overhead included)")
+    sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
+    if engine.device.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                        max_name_column_width=60))
