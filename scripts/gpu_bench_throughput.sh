@@ -8,7 +8,8 @@
 # token ids, lengths from the seeded workload, `ignore_eos`), then transformers `generate` with
 # static batches and its continuous batching on the first HF_N of the same requests, then the
 # roofline. Results: $OUT/throughput_<run>.json and .log. Models are the bundled shapes with
-# random bf16 weights (`--load-format dummy`). Tunables: NUM_PROMPTS, HF_N, MAX_NUM_SEQS.
+# random bf16 weights (`--load-format dummy`). Tunables: NUM_PROMPTS, HF_N, HF_BS (batch sizes),
+# MAX_NUM_SEQS, RUN_TIMEOUT, EXTRA (more bench options, e.g. --profile).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
@@ -35,10 +36,12 @@ for run in "${runs[@]}"; do
     *) echo "unknown run $run"; continue ;;
   esac
   case "$run" in
-    *-sharegpt) wl=(--workload sharegpt --hf-num-prompts "${HF_N:-128}" --hf-batch-sizes 64,128) ;;
-    *-alpaca) wl=(--workload alpaca --hf-num-prompts "${HF_N:-256}" --hf-batch-sizes 128,256) ;;
-    *-fixed) wl=(--input-len 1024 --output-len 128 --hf-num-prompts "${HF_N:-128}" --hf-batch-sizes 32,64,128) ;;
+    *-sharegpt) wl=(--workload sharegpt --hf-num-prompts "${HF_N:-128}" --hf-batch-sizes "${HF_BS:-64,128}") ;;
+    *-alpaca) wl=(--workload alpaca --hf-num-prompts "${HF_N:-256}" --hf-batch-sizes "${HF_BS:-128,256}") ;;
+    *-fixed) wl=(--input-len 1024 --output-len 128 --hf-num-prompts "${HF_N:-128}" --hf-batch-sizes "${HF_BS:-32,64,128}") ;;
   esac
+  # shellcheck disable=SC2206
+  wl+=(${EXTRA:-})
   echo "=== $run: $model ${wl[*]}"
   timeout "${RUN_TIMEOUT:-480}" python3 -m pagedkv.engine.cli bench throughput --model "$model" \
     "${common[@]}" "${wl[@]}" --save-workload "/tmp/workload_${run}.json" \
