@@ -30,7 +30,9 @@ EPS = {F32: 2.0**-23, F16: 2.0**-10, BF16: 2.0**-7}  # distance from 1 to the ne
 # (each <= eps / 2); float32 adds fp32 transcendentals, rsqrt and sums (a few 2^-24).
 REL_TOL = {F32: 8 * EPS[F32], F16: 1.01 * EPS[F16], BF16: 1.01 * EPS[BF16]}
 # Triton vs the torch composition: most elements identical, the rest this close (see module).
-MAX_ULPS = {F32: 8, F16: 2, BF16: 2}
+# float32: two orders of adding up 4096 squares may differ by several ulps (half of it reaches
+# the output through rsqrt); 16 leaves room for the GPU's reduction tree.
+MAX_ULPS = {F32: 16, F16: 2, BF16: 2}
 
 
 def _tiny(dtype: torch.dtype) -> float:
