@@ -177,7 +177,13 @@ def main() -> None:
         keep = ("regs", "stack", "shared", "wgmma", "div_full", "compile_s")
         short = {k: info[k] for k in keep if k in info}
         print(f"{name:26s} {short} {consts}")
-    bad = [r for r in RESULTS if r[2].get("local", 0) or r[2].get("stack", 0)]
+    # rotary_kernel's 32-byte stack is libdevice's cosf/sinf argument reduction for huge
+    # angles (a small local array, as in torch's own cos/sin), not a register spill.
+    bad = [
+        r for r in RESULTS
+        if r[2].get("local", 0)
+        or (r[2].get("stack", 0) and not (r[0] == "rotary_kernel" and r[2]["stack"] <= 32))
+    ]  # fmt: skip
     if bad:
         print(f"{len(bad)} variants spill to local memory", file=sys.stderr)
     approx = [r for r in RESULTS if r[0] in vars(fused_proxy) and r[2].get("div_full")]
