@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -269,7 +270,7 @@ def _check_norm(
             )
     if (
         isinstance(eps, bool)
-        or not isinstance(eps, (int, float))
+        or not isinstance(eps, numbers.Real)
         or not math.isfinite(eps)
         or eps < 0
     ):
