@@ -35,3 +35,9 @@ def test_bench_quick_runs():
     for row in summary["decode"]:
         assert row["us"] > 0 and row["rel_err_vs_sdpa"] < 1e-4
     assert any("B" in line and "ctx" in line for line in lines), "no readable table"
+    ops = {row["op"] for row in summary["fused"]}
+    assert ops == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"}
+    for row in summary["fused"]:
+        # On CPU both sides are the torch composition: bit-identical by construction.
+        assert row["us"] > 0 and row["vs_unfused"] > 0 and row["exact_frac"] == 1.0
+    assert any(line.startswith("fused_add_rms_norm") for line in lines), "no fused table"

@@ -25,8 +25,9 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
+from pagedattn_kernels import fused_kernels as fused_compiled
+from pagedattn_kernels import fused_ops, triton_ops
 from pagedattn_kernels import triton_kernels as compiled
-from pagedattn_kernels import triton_ops
 
 
 class _StubDriver:
@@ -80,23 +81,37 @@ def _resources(ck) -> dict:
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m:
         info.update(regs=int(m[1]), stack=int(m[2]), local=int(m[4]))
-    info["wgmma"] = "wgmma" in ck.asm.get("ptx", "")
+    ptx = ck.asm.get("ptx", "")
+    info["wgmma"] = "wgmma" in ptx
+    # Approximate fp32 division (Triton's `/`), which the fused ops must not use.
+    info["div_full"] = "div.full.f32" in ptx
     return info
 
 
-def _proxy() -> SimpleNamespace:
-    return SimpleNamespace(
-        **{
-            name: _Warmup(getattr(compiled, name))
-            for name in (
-                "reshape_and_cache_kernel",
-                "decode_kernel",
-                "decode_reduce_kernel",
-                "prefill_kernel",
-                "copy_blocks_kernel",
+def _proxy(module, names: tuple[str, ...]) -> SimpleNamespace:
+    return SimpleNamespace(**{name: _Warmup(getattr(module, name)) for name in names})
+
+
+def _fused_variants(quick: bool) -> None:
+    """The fused elementwise kernels at the shapes of the tests and of Llama 3 8B."""
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
+    for dtype in dtypes:
+        for hidden in [4096] if quick else [64, 576, 1000, 4096, 8192, 16384]:
+            x = torch.empty(8, hidden, dtype=dtype)
+            w = torch.empty(hidden, dtype=dtype)
+            fused_ops._launch_rms_norm(x, None, x, None, w, 1e-5, hidden)
+            fused_ops._launch_rms_norm(x, x, x, x, w, 1e-5, hidden)
+        for inter in [14336] if quick else [64, 300, 1408, 14336]:
+            fused_ops._launch_silu_and_mul(
+                torch.empty(8, inter, dtype=dtype), torch.empty(8, 2 * inter, dtype=dtype), inter
             )
-        }
-    )
+        shapes = [(32, 8, 128)] if quick else [(32, 8, 128), (9, 3, 64), (8, 2, 80), (2, 0, 32)]
+        for heads, kv_heads, head_dim in shapes:
+            q = torch.empty(4, heads, head_dim, dtype=dtype)
+            k = torch.empty(4, kv_heads, head_dim, dtype=dtype) if kv_heads else None
+            fused_ops._launch_rotary(
+                torch.zeros(4, dtype=torch.int64), q, k, torch.empty(head_dim // 2)
+            )
 
 
 def main() -> None:
@@ -107,8 +122,20 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=None, help="only this head dim")
     args = ap.parse_args()
     triton.runtime.driver.set_active(_StubDriver())
-    proxy = _proxy()
+    proxy = _proxy(
+        compiled,
+        (
+            "reshape_and_cache_kernel",
+            "decode_kernel",
+            "decode_reduce_kernel",
+            "prefill_kernel",
+            "copy_blocks_kernel",
+        ),
+    )
     triton_ops.kernels_for = lambda device: proxy  # compile, never launch
+    fused_proxy = _proxy(fused_compiled, ("rms_norm_kernel", "silu_and_mul_kernel",
+                                          "rotary_kernel"))  # fmt: skip
+    fused_ops._kernels = lambda device: fused_proxy
 
     dims = [64, 80, 96, 128, 256]
     dtypes = [torch.bfloat16, torch.float16, torch.float32]
@@ -143,14 +170,25 @@ def main() -> None:
         )  # fmt: skip
     triton_ops.copy_blocks(torch.empty(4, 64, 2048, dtype=torch.bfloat16),
                            torch.zeros(3, 2, dtype=torch.int64))  # fmt: skip
+    if args.head_dim is None:
+        _fused_variants(args.quick)
     print(f"triton {triton.__version__}: compiled {len(RESULTS)} variants for sm_90")
     for name, consts, info in RESULTS:
-        keep = ("regs", "stack", "shared", "wgmma", "compile_s")
+        keep = ("regs", "stack", "shared", "wgmma", "div_full", "compile_s")
         short = {k: info[k] for k in keep if k in info}
         print(f"{name:26s} {short} {consts}")
-    bad = [r for r in RESULTS if r[2].get("local", 0) or r[2].get("stack", 0)]
+    # rotary_kernel's 32-byte stack is libdevice's cosf/sinf argument reduction for huge
+    # angles (a small local array, as in torch's own cos/sin), not a register spill.
+    bad = [
+        r for r in RESULTS
+        if r[2].get("local", 0)
+        or (r[2].get("stack", 0) and not (r[0] == "rotary_kernel" and r[2]["stack"] <= 32))
+    ]  # fmt: skip
     if bad:
         print(f"{len(bad)} variants spill to local memory", file=sys.stderr)
+    approx = [r for r in RESULTS if r[0] in vars(fused_proxy) and r[2].get("div_full")]
+    if approx:
+        print(f"{len(approx)} fused-op variants use approximate division", file=sys.stderr)
 
 
 if __name__ == "__main__":

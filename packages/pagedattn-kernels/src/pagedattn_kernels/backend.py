@@ -6,7 +6,8 @@ one with the ``backend=`` keyword or the ``PAGEDATTN_BACKEND`` environment varia
 kernels in Triton's interpreter, which is how the kernels are tested on machines without a GPU.
 
 Triton decides at *definition* time (when ``@triton.jit`` runs) whether a kernel is compiled or
-interpreted: it reads ``TRITON_INTERPRET`` then. So the kernel module is loaded twice at most,
+interpreted: it reads ``TRITON_INTERPRET`` then. So each kernel module (``triton_kernels``:
+attention and cache ops; ``fused_kernels``: norms, activation, rotary) is loaded twice at most,
 each copy under its own setting of that variable, and each launch picks the copy that fits the
 device of its tensors. This keeps one process able to run compiled kernels on CUDA tensors and
 interpreted kernels on CPU tensors side by side (the GPU test run does both).
@@ -63,12 +64,18 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
+KERNEL_MODULES: tuple[str, ...] = ("triton_kernels", "fused_kernels")
+
+
 @functools.cache
-def triton_kernels(interpret: bool) -> ModuleType:
-    """The module of ``@triton.jit`` kernels, compiled (``interpret=False``) or interpreted.
+def triton_kernels(interpret: bool, module: str = "triton_kernels") -> ModuleType:
+    """A module of ``@triton.jit`` kernels (one of ``KERNEL_MODULES``), compiled
+    (``interpret=False``) or interpreted.
 
     Cached: each variant is defined once per process.
     """
+    if module not in KERNEL_MODULES:
+        raise ValueError(f"unknown kernel module {module!r}; one of {', '.join(KERNEL_MODULES)}")
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError(
             "the Triton backend needs the 'triton' package (pip install triton); "
@@ -76,18 +83,16 @@ def triton_kernels(interpret: bool) -> ModuleType:
         )
     if not interpret:
         # The regular import: compiled unless the user set TRITON_INTERPRET=1 themselves.
-        from pagedattn_kernels import triton_kernels as compiled
-
-        return compiled
+        return importlib.import_module(f"pagedattn_kernels.{module}")
     # Triton imports its Gluon frontend lazily at the first launch, and that import asserts it
     # sees either un-patched (compiled) language functions or TRITON_INTERPRET=1; inside an
     # interpreted launch with the variable unset it sees neither. Import it up front.
     with contextlib.suppress(ImportError):
         importlib.import_module("triton.experimental.gluon")
-    name = "pagedattn_kernels._triton_kernels_interpreted"
-    spec = importlib.util.find_spec("pagedattn_kernels.triton_kernels")
+    name = f"pagedattn_kernels._{module}_interpreted"
+    spec = importlib.util.find_spec(f"pagedattn_kernels.{module}")
     if spec is None or spec.origin is None:  # pragma: no cover - broken install
-        raise RuntimeError("pagedattn_kernels.triton_kernels is missing from this install")
+        raise RuntimeError(f"pagedattn_kernels.{module} is missing from this install")
     copy_spec = importlib.util.spec_from_file_location(name, spec.origin)
     if copy_spec is None or copy_spec.loader is None:  # pragma: no cover
         raise RuntimeError(f"cannot load {spec.origin}")
@@ -98,6 +103,6 @@ def triton_kernels(interpret: bool) -> ModuleType:
     return module
 
 
-def kernels_for(device: torch.device) -> ModuleType:
+def kernels_for(device: torch.device, module: str = "triton_kernels") -> ModuleType:
     """Compiled kernels for CUDA tensors, interpreted ones for CPU tensors."""
-    return triton_kernels(interpret=device.type != "cuda")
+    return triton_kernels(device.type != "cuda", module)

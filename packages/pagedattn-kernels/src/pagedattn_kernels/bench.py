@@ -14,7 +14,13 @@ Measured in one run:
 - prefill (one causal sequence of 1k, 4k, 16k tokens, same heads) in TFLOP/s against SDPA
   causal on contiguous tensors;
 - sweeps of the flash-decoding split count and of tile shapes at the headline sizes, which
-  is how the defaults were chosen.
+  is how the defaults were chosen;
+- the fused elementwise ops of a Llama-3-8B decoder layer (hidden 4096, intermediate 14336,
+  32/8 heads of 128, bf16) at T = 256 and 4096 tokens: ``rms_norm``, ``fused_add_rms_norm``,
+  ``silu_and_mul``, ``rotary_embedding`` against the unfused torch composition they replace
+  (Hugging Face's numerics, as the model runs it on CPU), timed in the same run: speed-up,
+  achieved bandwidth (bytes read + written once / time) against the copy bandwidth, and how
+  many outputs are bit-identical to the composition's (``--fused-only`` runs just these).
 Physical blocks are in random order. Times are medians of ``triton.testing.do_bench``
 (CUDA events, L2 flushed between runs). The last line of output is one JSON object.
 """
@@ -42,6 +48,8 @@ import pagedattn_kernels as pk
 from pagedattn_kernels.testing import rel_error
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+HIDDEN, INTERMEDIATE = 4096, 14336  # Llama 3 8B
+FUSED_TOKENS = [256, 4096]
 BATCHES = [1, 16, 64, 256]
 CONTEXTS = [512, 2048, 4096, 8192, 32768]
 PREFILL_TOKENS = [1024, 4096, 16384]
@@ -451,6 +459,159 @@ def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) 
     return {"decode": decode, "prefill": prefill}
 
 
+# --------------------------------------------------------------------------- fused elementwise ops
+
+
+def _unfused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: the torch kernels the fused one replaces."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _unfused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _fused_cases(setup: Setup, tokens: int, gen: torch.Generator) -> list[tuple]:
+    """(op, bytes moved, fused call, unfused call, fused output getter, unfused output getter):
+    inputs built once per token count; outputs preallocated, so calls time the kernels only."""
+    dev, dtype = setup.device, setup.dtype
+    hidden, inter = (256, 512) if setup.quick else (HIDDEN, INTERMEDIATE)
+    item = torch.finfo(dtype).bits // 8
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+
+    x, res = rand(tokens, hidden), rand(tokens, hidden)
+    weight = (1 + 0.1 * rand(hidden)).to(dtype)
+    eps = 1e-5
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    gate_up = rand(tokens, 2 * inter)
+    act = torch.empty(tokens, inter, device=dev, dtype=dtype)
+    q_size, kv_size = setup.heads * setup.head_dim, setup.kv_heads * setup.head_dim
+    qkv = rand(tokens, q_size + 2 * kv_size)
+    q = qkv[:, :q_size].view(tokens, setup.heads, setup.head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, setup.kv_heads, setup.head_dim)
+    positions = torch.randint(0, 8192, (tokens,), generator=gen, device=dev)
+    inv_freq = 1.0 / 500000.0 ** (
+        torch.arange(0, setup.head_dim, 2, device=dev, dtype=torch.float32) / setup.head_dim
+    )
+    # The unfused model computes cos/sin once per step for all layers: not timed here.
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    q0, k0 = q.clone(), k.clone()
+    rope_out: dict[str, torch.Tensor] = {}
+
+    def fused_rope() -> None:
+        pk.rotary_embedding(positions, q, k, inv_freq)
+
+    def fused_rope_result() -> torch.Tensor:
+        q.copy_(q0)
+        k.copy_(k0)
+        fused_rope()
+        return torch.cat((q.flatten(), k.flatten()))
+
+    def unfused_rope() -> None:
+        rope_out["q"], rope_out["k"] = _unfused_rotary(q0, cos, sin), _unfused_rotary(k0, cos, sin)
+
+    def unfused_rope_result() -> torch.Tensor:
+        unfused_rope()
+        return torch.cat((rope_out["q"].flatten(), rope_out["k"].flatten()))
+
+    def fused_add() -> tuple[torch.Tensor, torch.Tensor]:
+        return pk.fused_add_rms_norm(x, res, weight, eps, out=out, residual_out=res_out)
+
+    def unfused_add() -> tuple[torch.Tensor, torch.Tensor]:
+        s = x + res
+        return _unfused_rms_norm(s, weight, eps), s
+
+    def silu_unfused() -> torch.Tensor:
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    norm_bytes = (2 * tokens * hidden + hidden) * item
+    return [
+        ("rms_norm", norm_bytes,
+         lambda: pk.rms_norm(x, weight, eps, out=out), lambda: _unfused_rms_norm(x, weight, eps),
+         lambda: pk.rms_norm(x, weight, eps, out=out).clone(),
+         lambda: _unfused_rms_norm(x, weight, eps)),
+        ("fused_add_rms_norm", norm_bytes + 2 * tokens * hidden * item, fused_add, unfused_add,
+         lambda: torch.cat([t.flatten().clone() for t in fused_add()]),
+         lambda: torch.cat([t.flatten() for t in unfused_add()])),
+        ("silu_and_mul", 3 * tokens * inter * item,
+         lambda: pk.silu_and_mul(gate_up, out=act), silu_unfused,
+         lambda: pk.silu_and_mul(gate_up, out=act).clone(), silu_unfused),
+        ("rotary_embedding", 2 * tokens * (q_size + kv_size) * item + tokens * 8,
+         fused_rope, unfused_rope, fused_rope_result, unfused_rope_result),
+    ]  # fmt: skip
+
+
+def bench_fused(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict]:
+    from pagedattn_kernels.testing import ulp_distance
+
+    rows = []
+    for tokens in [16, 64] if setup.quick else FUSED_TOKENS:
+        for op, nbytes, fused, unfused, fused_result, unfused_result in _fused_cases(
+            setup, tokens, gen
+        ):
+            fused()
+            unfused()
+            ulps = ulp_distance(fused_result(), unfused_result())
+            seconds, base_s = _time(fused, setup.device), _time(unfused, setup.device)
+            row = {
+                "op": op,
+                "tokens": tokens,
+                "us": seconds * 1e6,
+                "unfused_us": base_s * 1e6,
+                "vs_unfused": base_s / seconds,
+                "GBps": nbytes / seconds / 1e9,
+                "bw_frac": nbytes / seconds / copy_bw,
+                "exact_frac": float((ulps == 0).float().mean()),
+                "max_ulp": int(ulps.max()),
+            }
+            if setup.device.type == "cuda":  # eager (prefill) steps pay the host time too
+                row.update(host_us=_host_us(fused, setup.device),
+                           unfused_host_us=_host_us(unfused, setup.device))  # fmt: skip
+            graph_s, base_graph_s = _time_graph(fused, setup.device), None
+            if graph_s is not None:
+                base_graph_s = _time_graph(unfused, setup.device)
+                row.update(graph_us=graph_s * 1e6, graph_bw_frac=nbytes / graph_s / copy_bw)
+                if base_graph_s is not None:
+                    row.update(unfused_graph_us=base_graph_s * 1e6,
+                               graph_vs_unfused=base_graph_s / graph_s)  # fmt: skip
+            rows.append(row)
+            host = ""
+            if "host_us" in row:
+                host = f" | host {row['host_us']:.0f} vs {row['unfused_host_us']:.0f} us/call"
+            graph = ""
+            if "graph_vs_unfused" in row:
+                graph = (f" | graph {row['graph_us']:7.1f} us {100 * row['graph_bw_frac']:5.1f}%"
+                         f" unfused {row['unfused_graph_us']:7.1f} us"
+                         f" x{row['graph_vs_unfused']:.2f}")  # fmt: skip
+            print(f"fused   {op:18s} T={tokens:<5d} {row['us']:8.1f} us "
+                  f"{100 * row['bw_frac']:5.1f}% of copy  unfused {row['unfused_us']:8.1f} us "
+                  f"x{row['vs_unfused']:.2f}  exact {100 * row['exact_frac']:.3f}% "
+                  f"max {row['max_ulp']} ulp{graph}{host}", flush=True)  # fmt: skip
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _fused_headlines(rows: list[dict]) -> dict[str, float | None]:
+    """Flat keys per op and token count: speed-up over the unfused composition (events and
+    CUDA-graph replay) and fraction of the copy bandwidth."""
+    ops = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+    keys = ("vs_unfused", "graph_vs_unfused", "bw_frac", "graph_bw_frac")
+    return {
+        f"fused_{op}_{key}_t{t}": _pick(rows, key, op=op, tokens=t)
+        for op in ops
+        for t in FUSED_TOKENS
+        for key in keys
+    }
+
+
 def _commit() -> str | None:
     try:
         return subprocess.run(
@@ -483,6 +644,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-sweeps", action="store_true", help="skip the split/tile sweeps")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="stop starting sweeps after this many seconds")  # fmt: skip
+    ap.add_argument("--fused-only", action="store_true",
+                    help="only the fused elementwise ops (and the copy bandwidth)")  # fmt: skip
     args = ap.parse_args(argv)
     start = time.monotonic()
     if args.quick:
@@ -520,12 +683,17 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device=setup.device).manual_seed(1234)
     copy_bw = copy_bandwidth(setup.device, setup.quick)
     print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s (bytes read + written)", flush=True)
+    prefill: list[dict] = []
+    decode: list[dict] = []
+    if not args.fused_only:
+        _warm_gpu(setup.device)
+        prefill = bench_prefill(setup, gen)
+        _warm_gpu(setup.device)
+        decode = bench_decode(setup, copy_bw, gen)
     _warm_gpu(setup.device)
-    prefill = bench_prefill(setup, gen)
-    _warm_gpu(setup.device)
-    decode = bench_decode(setup, copy_bw, gen)
+    fused = bench_fused(setup, copy_bw, gen)
     swept = {}
-    if not setup.quick and not args.no_sweeps:
+    if not setup.quick and not args.no_sweeps and not args.fused_only:
         swept = sweeps(setup, copy_bw, gen, start + args.budget_s)
 
     print()
@@ -542,6 +710,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['batch']:>4} {r['context']:>6} {r['us']:>9.1f} {r['GBps']:>8.1f} "
               f"{100 * r['bw_frac']:>6.1f} {r['sdpa_us']:>9.1f} {r['vs_sdpa']:>7.2f} "
               f"{g_us} {g_frac} {g_vs}  {r['sdpa']}")  # fmt: skip
+    print(f"\nfused elementwise ops, hidden {4096 if not setup.quick else 256} "
+          "(events | graph), vs the unfused torch composition")  # fmt: skip
+    print(f"{'op':18s} {'T':>5} {'us':>8} {'GB/s':>7} {'%copy':>6} {'unfused':>8} {'vs':>6}"
+          f" {'graph us':>8} {'%copy':>6} {'vs':>6} {'exact %':>8} {'ulp':>4}")  # fmt: skip
+    for r in fused:
+        g_us = f"{r['graph_us']:>8.1f}" if "graph_us" in r else f"{'-':>8}"
+        g_frac = f"{100 * r['graph_bw_frac']:>6.1f}" if "graph_bw_frac" in r else f"{'-':>6}"
+        g_vs = f"{r['graph_vs_unfused']:>6.2f}" if "graph_vs_unfused" in r else f"{'-':>6}"
+        print(f"{r['op']:18s} {r['tokens']:>5} {r['us']:>8.1f} {r['GBps']:>7.1f} "
+              f"{100 * r['bw_frac']:>6.1f} {r['unfused_us']:>8.1f} {r['vs_unfused']:>6.2f} "
+              f"{g_us} {g_frac} {g_vs} {100 * r['exact_frac']:>8.3f} {r['max_ulp']:>4}")  # fmt: skip
     print(f"\n{'tokens':>6} {'TFLOP/s':>8} {'SDPA':>8} {'vs SDPA':>7}  SDPA backend")
     for r in prefill:
         print(f"{r['tokens']:>6} {r['tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} {r['vs_sdpa']:>7.2f}  {r['sdpa']}")  # fmt: skip
@@ -573,7 +752,15 @@ def main(argv: list[str] | None = None) -> dict:
             "replay median (do_bench_cudagraph), no host time, L2 not flushed"
         ),
         "prefill_tflops_4k": _pick(prefill, "tflops", tokens=4096) if headline else None,
+        **(_fused_headlines(fused) if headline else {}),
+        "fused_workload": (
+            f"Llama 3 8B layer: hidden {HIDDEN}, intermediate {INTERMEDIATE}, {setup.heads}/"
+            f"{setup.kv_heads} heads x {setup.head_dim}, {str(setup.dtype).removeprefix('torch.')}; "
+            "unfused = the torch composition (HF numerics); rotary's unfused cos/sin tables "
+            "are precomputed (the model shares them across layers) and not timed"
+        ),
         "decode": decode,
+        "fused": fused,
         "prefill": prefill,
         "sweeps": swept,
         "seconds": round(time.monotonic() - start, 1),

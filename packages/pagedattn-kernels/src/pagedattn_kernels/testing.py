@@ -132,3 +132,28 @@ def attention_case_id(case: tuple[int, torch.dtype, int, int]) -> str:
     """A readable pytest id for one of `ATTENTION_CASES`."""
     head_dim, dtype, block_size, group = case
     return f"d{head_dim}-{str(dtype).removeprefix('torch.')}-bs{block_size}-g{group}"
+
+
+_SAME_WIDTH_INT = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance between two tensors of one float dtype in units in the last place:
+    how many representable values of that dtype lie between them (0 = bit-identical, or +0 and
+    -0). int64, on ``a``'s device. NaN or inf compares as a huge distance to any finite value."""
+    if a.dtype != b.dtype or a.dtype not in _SAME_WIDTH_INT:
+        raise ValueError(f"ulp_distance takes two float32/float16/bfloat16 tensors of one dtype, "
+                         f"got {a.dtype} and {b.dtype}")  # fmt: skip
+    as_int = _SAME_WIDTH_INT[a.dtype]
+    sign_bit = 1 << (torch.finfo(a.dtype).bits - 1)
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        # Sign-magnitude bits -> integers in the same order as the floats they encode.
+        i = t.contiguous().view(as_int).to(torch.int64)
+        return torch.where(i < 0, -(i + sign_bit), i)
+
+    return (ordered(a) - ordered(b.to(a.device))).abs()

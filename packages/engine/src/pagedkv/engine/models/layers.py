@@ -2,32 +2,86 @@
 
 Numerics follow the Hugging Face implementations (norm statistics in float32, RoPE angles in
 float32) so that greedy outputs match transformers token for token.
+
+On CUDA the norm (with the residual add fused in), SwiGLU's ``silu(gate) * up`` and the rotary
+embedding run as ``pagedattn_kernels``' fused Triton kernels, which repeat the roundings of the
+torch code below (see ``pagedattn_kernels.fused_ops``); on CPU the torch code runs, unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pagedattn_kernels
+from pagedattn_kernels.fused_ops import MAX_HIDDEN
+
+
+def fused_kernels_enabled(device: torch.device) -> bool:
+    """Whether the fused Triton kernels replace the torch code for tensors on ``device``.
+
+    The same switch as the attention kernels' (``PAGEDATTN_BACKEND``): on CUDA by default; on
+    CPU only with ``PAGEDATTN_BACKEND=triton`` (Triton's interpreter: slow, for tests), since
+    the torch code is the fast path there; ``PAGEDATTN_BACKEND=torch`` runs the unfused torch
+    code on a GPU too (the baseline to compare against).
+    """
+    return pagedattn_kernels.resolve_backend(device, None) == "triton"
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm: statistics in float32, result cast back, then scaled."""
+    """Root-mean-square norm: statistics in float32, result cast back, then scaled.
+
+    ``norm(x)`` returns the normed ``x``. ``norm(x, residual)`` is a pre-norm decoder's
+    residual step: it returns ``(norm(x + residual), x + residual)``. With the fused kernels
+    that is one pass which writes its two results *into* ``x`` and ``residual`` (the caller
+    hands both over and uses only the returned tensors), so a decoder layer allocates nothing
+    for its norms.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = (
+            fused_kernels_enabled(x.device)
+            and self.weight.dtype == x.dtype
+            and x.shape[-1] <= MAX_HIDDEN
+        )
+        if residual is None:
+            if fused:
+                return pagedattn_kernels.rms_norm(x, self.weight, self.eps)
+            return self._norm(x)
+        if fused:
+            return pagedattn_kernels.fused_add_rms_norm(
+                x, residual, self.weight, self.eps, out=x, residual_out=residual
+            )
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation on a fused gate/up projection output ``[T, 2 * I]``:
+    ``silu(gate) * up`` (one fused kernel where :func:`fused_kernels_enabled`)."""
+    if fused_kernels_enabled(x.device):
+        return pagedattn_kernels.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +201,32 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
+        """This step's rotation, prepared once per forward pass for every layer: the cos/sin
+        tables, or (fused kernels) just the positions, from which the kernel computes them."""
+        if fused_kernels_enabled(positions.device):
+            return RotaryAngles(positions, self.inv_freq)
+        cos, sin = self.cos_sin(positions, dtype)
+        return RotaryAngles(positions, self.inv_freq, cos, sin)
+
+
+@dataclass(slots=True)
+class RotaryAngles:
+    """One step's rotary angles (see :meth:`RotaryEmbedding.prepare`)."""
+
+    positions: torch.Tensor  # [T]
+    inv_freq: torch.Tensor  # [head_dim / 2] float32
+    cos: torch.Tensor | None = None  # [T, 1, head_dim] in the model dtype; None: fused kernel
+    sin: torch.Tensor | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, heads, head_dim]`` and ``k [T, kv_heads, head_dim]`` rotated (the fused
+        kernel rotates them in place, e.g. inside the QKV projection's output)."""
+        if self.cos is None:
+            pagedattn_kernels.rotary_embedding(self.positions, q, k, self.inv_freq)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,223 @@
+"""Triton kernels for a decoder layer's elementwise work (device code only; the launchers and
+the public ops are in ``fused_ops``): RMSNorm with the residual add fused in, SiLU-and-multiply,
+rotary embedding.
+
+Each kernel reproduces the rounding sequence of the unfused torch composition it replaces
+(Hugging Face's Llama: ``models/layers.py``), not just its mathematical value, so that a model
+gives the same tokens with and without them:
+
+- everything is computed in fp32 and every intermediate that torch materializes in the model
+  dtype is rounded to that dtype at the same point (``_round``), e.g. ``h.to(dtype)`` before
+  the multiplication by the norm weight, or ``x * cos`` before it is added to
+  ``rotate_half(x) * sin``. (torch computes half/bfloat16 arithmetic in fp32 and rounds each
+  result, which is what these kernels do.)
+- transcendentals come from libdevice (``expf``, ``cosf``, ``sinf``: the CUDA math library
+  functions torch's own kernels call), not from Triton's defaults (``tl.exp`` is
+  ``ex2.approx``); the SiLU division is IEEE (``div_rn``; Triton's ``/`` is ``div.full``,
+  2 ulp).
+- the launchers pass ``enable_fp_fusion=False``: no multiply and add get contracted into one
+  FMA where torch, running them as separate kernels, rounds twice.
+
+What remains different from torch is the order in which the RMSNorm sum of squares is added up
+(torch's reduction kernel has its own tree), so the norm agrees to the last bit of the model
+dtype almost always, not always. See the docstrings in ``fused_ops`` for each op's exactness.
+
+Under Triton's interpreter (tests on CPU) two things change, both selected by constexpr flags:
+libdevice does not exist there (``LIBDEVICE=False``: numpy's exp/cos/sin instead), and its
+fp32 -> bfloat16 cast truncates instead of rounding to nearest even, so bfloat16 rounding is
+done in integer arithmetic (``ROUND == 2``; bit-identical to round-to-nearest-even).
+
+Like ``triton_kernels``, this file is loaded twice when both compiled and interpreted kernels
+are needed (``backend.triton_kernels``); it calls only Triton builtins and the jit helpers
+defined here, and reduces with ``tl.reduce`` and the standard combine functions.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# ``ROUND``: how a kernel rounds an fp32 value to the model dtype.
+ROUND_NONE = 0  # the model dtype is fp32
+ROUND_CAST = 1  # float16, or bfloat16 when compiled: a round-to-nearest-even cast
+ROUND_BF16_BITS = 2  # bfloat16 under the interpreter, whose cast truncates
+
+
+@triton.jit
+def _round(v, like_ptr, ROUND: tl.constexpr):
+    """``v`` (fp32) rounded to the element type of ``like_ptr``, returned in fp32."""
+    if ROUND == 1:
+        return v.to(like_ptr.dtype.element_ty).to(tl.float32)
+    elif ROUND == 2:
+        # Round to nearest even on the 16 bits that bfloat16 drops (NaN stays NaN unless its
+        # payload lives only in those bits; the models never produce NaN).
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v
+
+
+@triton.jit
+def rms_norm_kernel(
+    out_ptr,
+    residual_out_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    num_rows,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    inv_hidden,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    ADD: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """ROWS rows per program, each whole (BLOCK_H >= HIDDEN): read once, written once.
+
+    ADD: ``s = x + residual`` (rounded to the dtype) goes to ``residual_out`` and is normed;
+    otherwise ``x`` is normed. Then, as Hugging Face's LlamaRMSNorm:
+    ``weight * (s * rsqrt(mean(s^2) + eps)).to(dtype)``; the mean is ``sum * fl32(1/HIDDEN)``
+    as torch's CUDA mean computes it. All loads precede the stores, so ``out`` may be ``x`` and
+    ``residual_out`` may be ``residual`` (in place).
+    """
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < HIDDEN
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        res = tl.load(residual_ptr + r64 * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = _round(x + res.to(tl.float32), residual_out_ptr, ROUND)
+        tl.store(
+            residual_out_ptr + r64 * stride_ro + cols[None, :],
+            x.to(residual_out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    mean_sq = tl.reduce(x * x, 1, tl.standard._sum_combine) * inv_hidden
+    inv_rms = tl.math.rsqrt(mean_sq + eps)
+    h = _round(x * inv_rms[:, None], out_ptr, ROUND)
+    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = _round(w[None, :] * h, out_ptr, ROUND)
+    tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_and_mul_kernel(
+    out_ptr,
+    x_ptr,
+    num_rows,
+    stride_x,
+    stride_o,
+    INTER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    ROUND: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """``out[t, i] = silu(x[t, i]) * x[t, INTER + i]`` for a [ROWS, BLOCK] tile; silu as
+    torch computes it, ``g / (1 + expf(-g))``, rounded to the dtype before the product."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < INTER)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    gate_ptrs = x_ptr + r64 * stride_x + cols[None, :]
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + INTER, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = _round(tl.math.div_rn(g, 1.0 + e), out_ptr, ROUND)
+    y = _round(s * u, out_ptr, ROUND)
+    tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(
+    ptr,
+    t64,
+    tok_ok,
+    stride_t,
+    stride_h,
+    cos,
+    sin,
+    d,
+    d_ok,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """Rotate every head of ROWS tokens in place: ``[x1, x2] -> [x1 c - x2 s, x2 c + x1 s]``
+    with each product and the sum rounded to the dtype, as ``x * cos + rotate_half(x) * sin``
+    rounds them (``rotate_half`` negates exactly, so ``+ (-x2) s`` is ``- x2 s``)."""
+    h = tl.arange(0, BLOCK_HEADS)
+    mask = tok_ok[:, None, None] & (h < NUM_HEADS)[None, :, None] & d_ok[None, None, :]
+    lo = ptr + t64[:, None, None] * stride_t + h[None, :, None] * stride_h + d[None, None, :]
+    x1 = tl.load(lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    out1 = _round(_round(x1 * c, ptr, ROUND) - _round(x2 * s, ptr, ROUND), ptr, ROUND)
+    out2 = _round(_round(x2 * c, ptr, ROUND) + _round(x1 * s, ptr, ROUND), ptr, ROUND)
+    tl.store(lo, out1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(lo + HALF, out2.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    inv_freq_ptr,
+    num_tokens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_KEY: tl.constexpr,
+    ROUND: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """NeoX ("rotate half") RoPE in place on every query and key head of ROWS tokens.
+
+    The angles are computed once per token and shared by all its heads, exactly as
+    ``RotaryEmbedding.cos_sin`` does: ``fl32(float(position) * inv_freq)``, then
+    ``cosf``/``sinf`` rounded to the dtype. No table: any position works.
+    """
+    toks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tok_ok = toks < num_tokens
+    t64 = toks.to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    pos = tl.load(positions_ptr + t64, mask=tok_ok, other=0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
+    angle = pos[:, None] * inv_freq[None, :]
+    if LIBDEVICE:
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    cos = _round(cos, q_ptr, ROUND)
+    sin = _round(sin, q_ptr, ROUND)
+    _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
+                  NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
+    if HAS_KEY:
+        _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
+                      NUM_K_HEADS, BLOCK_KH, HALF, ROUND)  # fmt: skip

@@ -1,0 +1,454 @@
+"""The fused elementwise ops (RMSNorm, fused add + RMSNorm, SiLU-and-multiply, rotary
+embedding) on every backend, against two references:
+
+- the float64 math (``pagedattn_kernels.reference``), within the error that the defined
+  roundings allow (two or three roundings to the dtype: about one dtype epsilon, relative);
+- the unfused torch composition the Llama model runs (Hugging Face's numerics, written out
+  here once more), which the kernels copy rounding for rounding. The torch backend must equal
+  it bit for bit (it *is* that composition: the CPU model relies on it). The Triton kernels may
+  differ only where their transcendentals or their sum order differ from torch's: in a rare
+  element of a 16-bit dtype (at most 2 ulps: one ulp of an intermediate, scaled by a factor
+  below 2) and by a few ulps in float32.
+
+Inputs are fresh random tensors each run (the seed is printed; ``PAGEDATTN_TEST_SEED`` replays
+one). Small shapes on CPU (the interpreter), full sizes on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pagedattn_kernels as pk
+from pagedattn_kernels import reference
+from pagedattn_kernels.testing import ulp_distance
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+EPS = {F32: 2.0**-23, F16: 2.0**-10, BF16: 2.0**-7}  # distance from 1 to the next value
+# Relative error allowed against the float64 math: 16-bit outputs round twice or three times
+# (each <= eps / 2); float32 adds fp32 transcendentals, rsqrt and sums (a few 2^-24).
+REL_TOL = {F32: 8 * EPS[F32], F16: 1.01 * EPS[F16], BF16: 1.01 * EPS[BF16]}
+# Triton vs the torch composition: most elements identical, the rest this close (see module).
+# float32: two orders of adding up 4096 squares may differ by several ulps (half of it reaches
+# the output through rsqrt); 16 leaves room for the GPU's reduction tree.
+MAX_ULPS = {F32: 16, F16: 2, BF16: 2}
+
+
+def _tiny(dtype: torch.dtype) -> float:
+    """Absolute slack for results in the subnormal range of ``dtype`` (float16 mostly)."""
+    return 8 * torch.finfo(dtype).smallest_normal * EPS[dtype]
+
+
+def _assert_close_to_f64(out: torch.Tensor, ref64: torch.Tensor, scale: torch.Tensor, what: str):
+    """|out - ref| <= REL_TOL * scale + tiny, elementwise (scale: |ref| or a term magnitude)."""
+    err = (out.double() - ref64).abs()
+    bound = REL_TOL[out.dtype] * scale + _tiny(out.dtype)
+    worst = float((err / bound).max()) if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.3f}x the allowed bound vs float64"
+
+
+def _assert_like_torch(out: torch.Tensor, want: torch.Tensor, target, what: str):
+    """Bit-identical on the torch backend; ulp-close with rare differences on Triton."""
+    if target.backend == "torch":
+        assert torch.equal(out, want), f"{what}: the torch path must be the composition itself"
+        return
+    ulps = ulp_distance(out, want)
+    assert int(ulps.max()) <= MAX_ULPS[out.dtype], f"{what}: {int(ulps.max())} ulps from torch"
+    if out.dtype != F32:
+        differ = int((ulps > 0).sum())
+        assert differ <= 1 + out.numel() // 100, f"{what}: {differ}/{out.numel()} differ from torch"
+
+
+# --------------------------------------------------------------------------- the compositions
+# What models/layers.py computes unfused (Hugging Face's Llama), written out independently.
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def hf_rotary(positions, x, inv_freq):
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+# (rows, hidden, dtype): powers of two and not (SmolLM2's 576), one row and many.
+NORM_CASES = [
+    (1, 64, F32),
+    (7, 200, BF16),
+    (33, 576, F16),
+    (20, 1000, BF16),
+    (9, 4096, F32),
+    (3, 96, F16),
+    (12, 4096, BF16),
+]
+
+
+def _norm_inputs(target, seed, case):
+    rows, hidden, dtype = case
+    rows = 1024 + rows if target.full else rows
+    gen = target.generator(seed)
+    dev = target.device
+    # Rows of very different magnitudes; norm weights in [0.5, 1.5].
+    scale = torch.exp(2 * torch.randn(rows, 1, generator=gen, device=dev))
+    x = (torch.randn(rows, hidden, generator=gen, device=dev) * scale).to(dtype)
+    residual = (torch.randn(rows, hidden, generator=gen, device=dev) * scale).to(dtype)
+    weight = (0.5 + torch.rand(hidden, generator=gen, device=dev)).to(dtype)
+    eps = float(torch.rand((), generator=gen, device=dev)) * 1e-5 + 1e-6
+    return x, residual, weight, eps
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_rms_norm(target, seed, case):
+    x, _, weight, eps = _norm_inputs(target, seed, case)
+    before = x.clone()
+    out = pk.rms_norm(x, weight, eps, backend=target.backend)
+    assert torch.equal(x, before), "x must not change"
+    ref = reference.rms_norm(x, weight, eps)
+    _assert_close_to_f64(out, ref, ref.abs(), f"rms_norm seed={seed}")
+    _assert_like_torch(out, hf_rms_norm(x, weight, eps), target, f"rms_norm seed={seed}")
+    # In place, and into a row slice of a wider buffer.
+    buf = torch.zeros(x.shape[0], x.shape[1] + 8, dtype=x.dtype, device=x.device)
+    assert pk.rms_norm(x, weight, eps, out=buf[:, 4:-4], backend=target.backend) is not None
+    assert torch.equal(buf[:, 4:-4], out) and not buf[:, :4].any() and not buf[:, -4:].any()
+    y = x.clone()
+    assert pk.rms_norm(y, weight, eps, out=y, backend=target.backend) is y
+    assert torch.equal(y, out), f"in place differs, seed={seed}"
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_fused_add_rms_norm(target, seed, case):
+    x, residual, weight, eps = _norm_inputs(target, seed, case)
+    x0, r0 = x.clone(), residual.clone()
+    normed, new_residual = pk.fused_add_rms_norm(x, residual, weight, eps, backend=target.backend)
+    assert torch.equal(x, x0) and torch.equal(residual, r0), "out of place must not write inputs"
+    assert torch.equal(new_residual, x0 + r0), f"the residual sum is exact, seed={seed}"
+    ref = reference.rms_norm(new_residual, weight, eps)
+    _assert_close_to_f64(normed, ref, ref.abs(), f"fused_add_rms_norm seed={seed}")
+    want = hf_rms_norm(r0 + x0, weight, eps)  # Hugging Face: hidden = residual + hidden
+    _assert_like_torch(normed, want, target, f"fused_add_rms_norm seed={seed}")
+    # In place (vLLM's form): the sum into residual, the norm into x; same bits.
+    out, res = pk.fused_add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual,
+                                     backend=target.backend)  # fmt: skip
+    assert out is x and res is residual
+    assert torch.equal(x, normed) and torch.equal(residual, new_residual), f"seed={seed}"
+    # Swapped buffers (the sum into x, the norm into residual) still read before writing.
+    x, residual = x0.clone(), r0.clone()
+    pk.fused_add_rms_norm(x, residual, weight, eps, out=residual, residual_out=x,
+                          backend=target.backend)  # fmt: skip
+    assert torch.equal(residual, normed) and torch.equal(x, new_residual), f"seed={seed}"
+
+
+def test_norms_take_leading_dims_and_strided_inputs(target, seed):
+    gen = target.generator(seed)
+    dev = target.device
+    big = torch.randn(2, 5, 3 * 160, generator=gen, device=dev).to(BF16)
+    x = big[..., ::3]  # [2, 5, 160], stride 3 in the last dim: read through a copy
+    residual = torch.randn(2, 5, 160, generator=gen, device=dev).to(BF16)
+    weight = (0.5 + torch.rand(160, generator=gen, device=dev)).to(BF16)
+    normed, new_res = pk.fused_add_rms_norm(x, residual, weight, 1e-6, backend=target.backend)
+    assert normed.shape == x.shape and new_res.shape == x.shape
+    assert torch.equal(new_res, x + residual)
+    _assert_like_torch(normed, hf_rms_norm(x + residual, weight, 1e-6), target, f"seed={seed}")
+    single = pk.rms_norm(x[0, 0], weight, 1e-6, backend=target.backend)  # one row, 1-D
+    _assert_like_torch(single, hf_rms_norm(x[0, 0], weight, 1e-6), target, f"seed={seed}")
+
+
+# --------------------------------------------------------------------------- SiLU and multiply
+
+# (rows, intermediate, dtype); Llama 3 8B's 14336 at full size on the GPU.
+SILU_CASES = [
+    (1, 64, F32),
+    (13, 300, BF16),
+    (8, 1000, F16),
+    (5, 1408, BF16),
+    (3, 96, F32),
+    (6, 14336, BF16),
+]
+
+
+@pytest.mark.parametrize("case", SILU_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_silu_and_mul(target, seed, case):
+    rows, inter, dtype = case
+    rows = 512 + rows if target.full else rows
+    gen = target.generator(seed)
+    dev = target.device
+    # The gate/up projection's output inside a wider buffer (a row stride != 2 * inter).
+    buf = (4 * torch.randn(rows, 2 * inter + 16, generator=gen, device=dev)).to(dtype)
+    x = buf[:, 8 : 8 + 2 * inter]
+    before = buf.clone()
+    out = pk.silu_and_mul(x, backend=target.backend)
+    assert torch.equal(buf, before) and out.shape == (rows, inter)
+    ref = reference.silu_and_mul(x)
+    _assert_close_to_f64(out, ref, ref.abs(), f"silu_and_mul seed={seed}")
+    gate, up = x[:, :inter], x[:, inter:]
+    _assert_like_torch(out, F.silu(gate) * up, target, f"silu_and_mul seed={seed}")
+    into = torch.full((rows, inter), float("nan"), dtype=dtype, device=dev)
+    assert pk.silu_and_mul(x, out=into, backend=target.backend) is into
+    assert torch.equal(into, out)
+    three_d = pk.silu_and_mul(x.reshape(1, rows, 2 * inter), backend=target.backend)
+    assert torch.equal(three_d[0], out)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_rounding_to_nearest_even(target, dtype):
+    """Products that fall exactly halfway between two values of the dtype round to the even
+    one, as torch rounds (Triton's interpreter truncates bfloat16: the kernels round in
+    integer arithmetic there). silu(g) == g exactly for g >= 32, so the output is g * up
+    rounded once; g and up with few mantissa bits make every 128th product a tie."""
+    dev = target.device
+    a = torch.arange(128, device=dev, dtype=torch.float32)
+    gate = 32 * (1 + a[:, None] / 128).expand(128, 128)
+    up = (1 + a[None, :] / 128).expand(128, 128)
+    x = torch.cat((gate, up), dim=1).to(dtype)
+    exact = gate.double() * up.double()
+    ties = (exact.to(dtype).double() - exact).abs() * 2 == ulp_step(exact, dtype)
+    assert int(ties.sum()) > 50  # the test has teeth
+    out = pk.silu_and_mul(x, backend=target.backend)
+    assert torch.equal(out, F.silu(x[:, :128]) * x[:, 128:])
+
+
+def ulp_step(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` values around each (normal, positive) value."""
+    exponent = torch.floor(torch.log2(values))
+    return torch.exp2(exponent) * EPS[dtype]
+
+
+# --------------------------------------------------------------------------- rotary embedding
+
+# (tokens, heads, kv heads or None, head_dim, dtype, rope base)
+ROTARY_CASES = [
+    (1, 4, 4, 64, F32, 10000.0),
+    (9, 8, 2, 128, BF16, 500000.0),
+    (17, 6, 2, 80, F16, 10000.0),
+    (5, 3, 1, 96, BF16, 1e6),
+    (7, 2, None, 32, F32, 10000.0),
+    (11, 9, 3, 64, BF16, 100000.0),
+]
+
+
+@pytest.mark.parametrize(
+    "case", ROTARY_CASES, ids=lambda c: f"t{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}-{c[4]}"
+)
+def test_rotary_embedding(target, seed, case):
+    tokens, heads, kv_heads, head_dim, dtype, base = case
+    tokens = 700 + tokens if target.full else tokens
+    gen = target.generator(seed)
+    dev = target.device
+    kvh = kv_heads or 0
+    # Q and K rotated in place as views of one fused QKV output, V next to them untouched.
+    qkv = torch.randn(tokens, (heads + 2 * kvh) * head_dim, generator=gen, device=dev).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kvh) * head_dim].view(tokens, kvh, head_dim)
+    key = k if kv_heads is not None else None
+    positions = torch.randint(0, 1 << 15, (tokens,), generator=gen, device=dev)
+    positions[0] = 0
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim)
+    before = qkv.clone()
+    q0, k0 = q.clone(), k.clone()
+    pk.rotary_embedding(positions, q, key, inv_freq, backend=target.backend)
+    v_start = (heads + kvh) * head_dim
+    assert torch.equal(qkv[:, v_start:], before[:, v_start:]), "V must stay untouched"
+    half = head_dim // 2
+    for name, got, orig in (("query", q, q0), ("key", k, k0)):
+        if name == "key" and key is None:
+            assert torch.equal(got, orig)
+            continue
+        pair = orig.double().abs()
+        scale = torch.cat((pair[..., :half] + pair[..., half:],) * 2, dim=-1)
+        ref = reference.rotary_embedding(positions, orig, inv_freq)
+        _assert_close_to_f64(got, ref, 1.5 * scale, f"{name} seed={seed}")
+        want = hf_rotary(positions, orig, inv_freq)
+        if target.backend == "torch":
+            assert torch.equal(got, want), f"{name}: the torch path must be the composition"
+        else:
+            # A cos/sin that differs in its last fp32 bit may round to the neighbouring dtype
+            # value: the result moves by at most eps * (|x1| + |x2|).
+            diff = (got.double() - want.double()).abs()
+            assert bool((diff <= 2 * EPS[dtype] * scale).all()), f"{name} seed={seed}"
+            if dtype != F32:
+                differ = int((diff > 0).sum())
+                assert differ <= 1 + got.numel() // 100, f"{name}: {differ} differ, seed={seed}"
+
+
+# --------------------------------------------------------------------------- edge cases
+
+
+def test_empty_batches(target):
+    dev = target.device
+    for dtype in (F32, BF16):
+        x = torch.empty(0, 64, dtype=dtype, device=dev)
+        w = torch.ones(64, dtype=dtype, device=dev)
+        assert pk.rms_norm(x, w, 1e-6, backend=target.backend).shape == (0, 64)
+        a, b = pk.fused_add_rms_norm(x, x.clone(), w, 1e-6, backend=target.backend)
+        assert a.shape == b.shape == (0, 64)
+        assert pk.silu_and_mul(torch.empty(0, 64, dtype=dtype, device=dev),
+                               backend=target.backend).shape == (0, 32)  # fmt: skip
+        q = torch.empty(0, 4, 64, dtype=dtype, device=dev)
+        pos = torch.empty(0, dtype=torch.int64, device=dev)
+        inv = torch.ones(32, device=dev)
+        pk.rotary_embedding(pos, q, q.clone(), inv, backend=target.backend)
+
+
+def _rejected(fn, *tensors, match: str):
+    before = [t.clone() for t in tensors]
+    with pytest.raises(ValueError, match=match):
+        fn()
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b), "a rejected call must not write"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_inputs_are_rejected_and_change_nothing(backend):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=gen)
+    r = torch.randn(4, 32, generator=gen)
+    w = torch.ones(32)
+    kw = {"backend": backend}
+
+    _rejected(
+        lambda: pk.rms_norm(x, w[:16], 1e-6, **kw), x, match=r"weight must have shape \(32,\)"
+    )
+    _rejected(lambda: pk.rms_norm(x, w.half(), 1e-6, **kw), x, match="cast the weight")
+    _rejected(lambda: pk.rms_norm(x.long(), w, 1e-6, **kw), x, match="float32, float16")
+    _rejected(lambda: pk.rms_norm(x, w, -1.0, **kw), x, match="eps must be")
+    _rejected(lambda: pk.rms_norm(x, w, float("nan"), **kw), x, match="eps must be")
+    _rejected(lambda: pk.rms_norm(x, w, True, **kw), x, match="eps must be")
+    out_t = torch.zeros(32, 4).t()  # the right shape, but columns one stride apart
+    _rejected(lambda: pk.rms_norm(x, w, 1e-6, out=out_t, **kw), x, out_t, match="stride 1")
+    out_h = torch.zeros(4, 32, dtype=F16)
+    _rejected(
+        lambda: pk.rms_norm(x, w, 1e-6, out=out_h, **kw), x, out_h, match="must be torch.float32"
+    )
+    _rejected(
+        lambda: pk.rms_norm(x, w, 1e-6, out=torch.zeros(4, 31), **kw), x, match="out must have"
+    )
+    _rejected(lambda: pk.rms_norm(torch.zeros(4, 0), w[:0], 1e-6, **kw), x, match="hidden > 0")
+
+    _rejected(lambda: pk.fused_add_rms_norm(x, r[:3], w, 1e-6, **kw), x, r, match="residual must")
+    _rejected(
+        lambda: pk.fused_add_rms_norm(x, r.bfloat16(), w, 1e-6, **kw), x, r, match="must match"
+    )
+    _rejected(lambda: pk.fused_add_rms_norm(x, r, w, 1e-6, out=x, residual_out=x, **kw), x, r,
+              match="different tensors")  # fmt: skip
+    _rejected(lambda: pk.fused_add_rms_norm(x, r, w, 1e-6, out=x, residual_out=out_t, **kw), x, r,
+              out_t, match="stride 1")  # fmt: skip
+
+    g = torch.randn(4, 33, generator=gen)
+    _rejected(lambda: pk.silu_and_mul(g, **kw), g, match="2 \\* intermediate")
+    g2 = torch.randn(4, 64, generator=gen)
+    _rejected(lambda: pk.silu_and_mul(g2, out=torch.zeros(4, 64), **kw), g2, match="out must have")
+    _rejected(lambda: pk.silu_and_mul(g2.int(), **kw), g2, match="float32")
+
+    q = torch.randn(3, 4, 16, generator=gen)
+    k = torch.randn(3, 2, 16, generator=gen)
+    pos = torch.tensor([0, 5, 9])
+    inv = torch.ones(8)
+
+    def rope(*a, **extra):
+        return lambda: pk.rotary_embedding(*a, **kw, **extra)
+
+    _rejected(rope(pos.float(), q, k, inv), q, k, match="int32 or int64")
+    _rejected(rope(pos[:2], q, k, inv), q, k, match=r"positions must have shape \(3,\)")
+    _rejected(rope(pos, q.view(3, 64), k, inv), q, k, match="query must be")
+    _rejected(rope(pos, q, k.half(), inv), q, k, match="key is torch.float16")
+    _rejected(rope(pos, q, k[:2], inv), q, k, match="share tokens")
+    _rejected(rope(pos, q, k, inv[:4]), q, k, match="inv_freq must have shape")
+    _rejected(rope(pos, q, k, inv.double()), q, k, match="inv_freq must be float32")
+    _rejected(rope(pos, q, q, inv), q, match="different tensors")
+    q_odd = torch.randn(3, 4, 15, generator=gen)
+    _rejected(rope(pos, q_odd, None, inv), q_odd, match="even")
+    wide = torch.randn(3, 4, 32, generator=gen)
+    strided = wide[..., ::2]  # head dim with stride 2: cannot be rotated in place
+    _rejected(rope(pos, strided, None, inv), wide, match="stride 1")
+    with pytest.raises(ValueError, match="backend="):
+        pk.rms_norm(x, w, 1e-6, backend="cuda")
+
+
+def test_triton_size_limits():
+    x = torch.zeros(1, pk.fused_ops.MAX_HIDDEN + 1)
+    w = torch.ones(x.shape[1])
+    with pytest.raises(ValueError, match="backend='torch'"):
+        pk.rms_norm(x, w, 1e-6, backend="triton")
+    assert pk.rms_norm(x, w, 1e-6, backend="torch").shape == x.shape
+
+
+def test_env_var_routes_cpu_tensors_to_the_interpreter(monkeypatch):
+    from pagedattn_kernels import fused_ops
+
+    launches = []
+    real = fused_ops._launch_silu_and_mul
+    monkeypatch.setattr(fused_ops, "_launch_silu_and_mul",
+                        lambda *a: launches.append(1) or real(*a))  # fmt: skip
+    x = torch.randn(3, 8)
+    monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
+    out = pk.silu_and_mul(x)
+    assert launches and torch.allclose(out, F.silu(x[:, :4]) * x[:, 4:])
+    monkeypatch.setenv("PAGEDATTN_BACKEND", "auto")
+    pk.silu_and_mul(x)
+    assert len(launches) == 1  # CPU tensors take the torch path by default
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.gpu
+def test_all_fused_ops_replay_in_a_cuda_graph(seed):
+    """Captured once, replayed on new inputs copied into the static buffers: the same results
+    as eager calls (no host sync, no value-dependent allocation inside the ops)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev, dtype, tokens, hidden, inter = "cuda", BF16, 64, 512, 1024
+    heads, kv_heads, head_dim = 8, 2, 64
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, device=dev).to(dtype)
+
+    def fresh():
+        return {
+            "x": rand(tokens, hidden),
+            "res": rand(tokens, hidden),
+            "gu": rand(tokens, 2 * inter),
+            "qkv": rand(tokens, (heads + 2 * kv_heads) * head_dim),
+            "pos": torch.randint(0, 4096, (tokens,), generator=gen, device=dev),
+        }
+
+    weight = (0.5 + torch.rand(hidden, generator=gen, device=dev)).to(dtype)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim)
+
+    def step(b):
+        q = b["qkv"][:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = b["qkv"][:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+            tokens, kv_heads, head_dim
+        )
+        pk.rotary_embedding(b["pos"], q, k, inv_freq)
+        n1 = pk.rms_norm(b["x"], weight, 1e-5)
+        n2, r2 = pk.fused_add_rms_norm(
+            b["x"], b["res"], weight, 1e-5, out=b["x"], residual_out=b["res"]
+        )
+        return n1, n2, r2, pk.silu_and_mul(b["gu"]), b["qkv"]
+
+    static = fresh()
+    step({k: v.clone() for k, v in static.items()})  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static)
+    for _ in range(2):
+        new = fresh()
+        want = step({k: v.clone() for k, v in new.items()})
+        for k, v in new.items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, exp in zip(outs, want):
+            assert torch.equal(got, exp), f"seed={seed}"
