@@ -11,6 +11,7 @@ a token.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -171,6 +172,9 @@ def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple
     ref_engine = _engine(folder, 1, device=device, **kw)
     ref = _run(ref_engine, requests)
     del ref_engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the TP 2 driver profiles the same GPU
     engine = _engine(folder, 2, device=device, **kw)
     try:
         got = _run(engine, requests)

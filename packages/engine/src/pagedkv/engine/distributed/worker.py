@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -127,6 +130,7 @@ def spawned_worker_main(
     left to the driver, which stops the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _setup_logging(rank, log_level)
+    _exit_with_parent(rank)
     torch.set_num_threads(max(1, num_threads))
     ctx = None
     try:
@@ -146,6 +150,20 @@ def spawned_worker_main(
     finally:
         if ctx is not None:
             ctx.destroy()
+
+
+def _exit_with_parent(rank: int) -> None:
+    """Exit when the driver process is gone, even while blocked in a collective that would
+    otherwise wait for its timeout (the driver killed by SIGKILL, say)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        logger.error("tensor-parallel worker rank %d: the driver process exited; exiting", rank)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedkv-tp-parent-watch", daemon=True).start()
 
 
 def resolve_device(name: str) -> torch.device:
