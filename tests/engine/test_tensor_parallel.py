@@ -260,6 +260,33 @@ def test_shards_put_back_together_are_the_whole_weights(checkpoints, name, tp, l
     assert len(set(split)) == 4 * layers + 1 + ("lm_head" in split), sorted(set(split))
 
 
+@pytest.mark.slow
+def test_embedded_gguf_shards_put_back_together_are_the_whole_weights(
+    embedded_model_config, embedded_model
+):
+    """GGUF: each tensor is dequantized (and un-permuted for llama.cpp's RoPE layout), then
+    narrowed. The embedded SmolLM2 has 9 query and 3 KV heads: it splits 3 ways."""
+    config = embedded_model_config
+    assert valid_tp_sizes(config) == [1, 3]
+    full = dict(embedded_model.named_parameters())
+    for rank in range(3):
+        shard = load_model(config, device="cpu", dtype=torch.float32, tp=TPInfo(rank, 3))
+        params = dict(shard.named_parameters())
+        attn = shard.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (3, 1)
+        q, k = 3 * 64, 64
+        whole_qkv = full["layers.0.self_attn.qkv_proj.weight"]
+        mine = params["layers.0.self_attn.qkv_proj.weight"]
+        assert torch.equal(mine[:q], whole_qkv[rank * q : (rank + 1) * q])
+        assert torch.equal(mine[q : q + k], whole_qkv[576 + rank * k : 576 + (rank + 1) * k])
+        assert torch.equal(mine[q + k :], whole_qkv[576 + 192 + rank * k :][:k])
+        down = params["layers.29.mlp.down_proj.weight"]
+        assert torch.equal(down, full["layers.29.mlp.down_proj.weight"][:, rank * 512 :][:, :512])
+        emb = params["embed_tokens.weight"]
+        assert torch.equal(emb, full["embed_tokens.weight"][rank * 16384 : (rank + 1) * 16384])
+        del shard
+
+
 def test_padded_vocabulary_slice_is_zero_and_ids_map_to_their_rank(checkpoints):
     _, ranks = _rank_models(checkpoints["llama-gqa-bias"], 2)
     emb0, emb1 = ranks[0].embed_tokens, ranks[1].embed_tokens

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -243,6 +245,10 @@ class TensorParallelRunner:
             if launch is None:
                 import torch.distributed as dist
 
+                if sys.platform.startswith("linux"):
+                    # all ranks on this machine: gloo over loopback, whatever the host name
+                    # resolves to (workers inherit the setting)
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
                 store = dist.TCPStore(
                     "127.0.0.1",
                     0,
