@@ -568,3 +568,17 @@ def test_dead_worker_message_names_the_signal():
     assert "rank 1 (pid 1234) was killed by signal SIGKILL" in workers.describe_failure()
     workers.failure = (3, 99, 1)
     assert "rank 3 (pid 99) exited with code 1" in workers.describe_failure()
+
+
+def test_runner_attributes_read_rank_0s_but_methods_must_be_forwarded():
+    """A `ModelRunner` method the engine starts calling must reach the workers too: reading it
+    through the tensor-parallel runner is an error rather than a silent rank-0-only call."""
+    from types import SimpleNamespace
+
+    from pagedkv.engine.distributed.executor import TensorParallelRunner
+
+    runner = object.__new__(TensorParallelRunner)
+    runner.local = SimpleNamespace(max_blocks_per_seq=7, warm_up=lambda: None)
+    assert runner.max_blocks_per_seq == 7
+    with pytest.raises(AttributeError, match="not forwarded to the tensor-parallel workers"):
+        runner.warm_up()

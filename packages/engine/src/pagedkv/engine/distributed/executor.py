@@ -41,6 +41,14 @@ from pagedkv.engine.distributed.parallel_state import (
     rank_device,
     torchrun_env,
 )
+from pagedkv.engine.distributed.worker import (
+    CALL,
+    JOINED_KEY,
+    STOP,
+    build_rank_runner,
+    run_torchrun_worker,
+    spawned_worker_main,
+)
 from pagedkv.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -73,8 +81,6 @@ def make_runner(
     launch = torchrun_env()
     if launch is not None and launch.rank > 0:
         # A script run by torchrun on every rank: ranks > 0 serve rank 0's engine, then exit.
-        from pagedkv.engine.distributed.worker import run_torchrun_worker
-
         raise SystemExit(run_torchrun_worker(args, model_config))
     return TensorParallelRunner(model_config, args, device)
 
@@ -101,8 +107,6 @@ class _Workers:
         model_config: ModelConfig,
         args: EngineArgs,
     ) -> None:
-        from pagedkv.engine.distributed.worker import spawned_worker_main
-
         mp = torch.multiprocessing.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
         threads = torch.get_num_threads()
@@ -181,8 +185,6 @@ class _Workers:
     def wait_joined(self, store: Any, timeout_s: float) -> None:
         """Wait until every worker has reached the rendezvous, failing fast if one dies first
         (before the process group exists, nothing else would notice)."""
-        from pagedkv.engine.distributed.worker import JOINED_KEY
-
         keys = [JOINED_KEY.format(rank=r) for r in self.procs]
         deadline = time.monotonic() + timeout_s
         while not store.check(keys):
@@ -205,8 +207,6 @@ class _Workers:
         self.stopping.set()
         ctx = self.ctx
         if graceful and ctx is not None and self.failure is None:
-            from pagedkv.engine.distributed.worker import STOP
-
             try:
                 ctx.broadcast_object((STOP,))
             except Exception as exc:
@@ -272,8 +272,6 @@ class TensorParallelRunner:
                 )
             self._workers.ctx = ctx
             self.ctx = ctx
-            from pagedkv.engine.distributed.worker import build_rank_runner
-
             self.local = build_rank_runner(ctx, model_config, args)
         except BaseException as exc:
             self._workers.wait_for_failure(2.0)
@@ -314,35 +312,33 @@ class TensorParallelRunner:
         return self.local.model
 
     # ---- one step --------------------------------------------------------------------------
-    def apply_block_ops(
-        self,
-        swap_out: list[tuple[int, int]],
-        swap_in: list[tuple[int, int]],
-        copies: list[tuple[int, int]],
-    ) -> None:
-        if not (swap_out or swap_in or copies):
+    # Both calls take whatever `ModelRunner`'s take: the arguments travel to every rank as they
+    # are and each rank makes the same call on its own runner.
+    def apply_block_ops(self, *args: Any, **kwargs: Any) -> None:
+        """Swap and copy blocks on every rank (nothing is sent when there is nothing to do)."""
+        if not kwargs and not any(len(a) for a in args):
             return
-        from pagedkv.engine.distributed.worker import BLOCK_OPS
+        self._run("apply_block_ops", args, kwargs)
 
-        self._run(
-            lambda: self.local.apply_block_ops(swap_out, swap_in, copies),
-            (BLOCK_OPS, swap_out, swap_in, copies),
-        )
+    def execute(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run one step on every rank; rank 0's float32 logits of the sampling sequences."""
+        return self._run("execute", args, kwargs)
 
-    def execute(
-        self,
-        seqs: list[tuple[list[int], int, list[int]]],
-        sample_seq_indices: list[int],
-    ) -> torch.Tensor:
-        """Run one step on every rank; rank 0's float32 logits ``[len(sample_seq_indices),
-        vocab]``."""
-        from pagedkv.engine.distributed.worker import STEP
+    def __getattr__(self, name: str) -> Any:
+        """Other `ModelRunner` attributes read rank 0's; a method would run on rank 0 only,
+        leaving the workers behind, so it must be forwarded explicitly above."""
+        local = self.__dict__.get("local")
+        if local is None or name.startswith("__"):
+            raise AttributeError(name)
+        value = getattr(local, name)
+        if callable(value):
+            raise AttributeError(
+                f"ModelRunner.{name} is not forwarded to the tensor-parallel workers; "
+                "add it to TensorParallelRunner (and to the worker loop)"
+            )
+        return value
 
-        return self._run(
-            lambda: self.local.execute(seqs, sample_seq_indices), (STEP, seqs, sample_seq_indices)
-        )
-
-    def _run(self, local_fn, message: tuple) -> Any:
+    def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
         if self._error is not None:
             raise self._error
         if self._workers.failure is not None:
@@ -350,8 +346,8 @@ class TensorParallelRunner:
         if self._workers.closed:
             raise TensorParallelError("the tensor-parallel engine was shut down; start a new one")
         try:
-            self.ctx.broadcast_object(message)
-            result = local_fn()
+            self.ctx.broadcast_object((CALL, method, args, kwargs))
+            result = getattr(self.local, method)(*args, **kwargs)
             if self.device.type == "cuda":
                 # The step's collectives are done only when the stream is; a dead peer shows here
                 # (the monitor aborts the communicators) rather than as garbage logits later.

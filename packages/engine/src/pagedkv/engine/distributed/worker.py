@@ -42,11 +42,11 @@ from pagedkv.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# Messages from the driver, over the CPU group: (STEP, seqs, sample_seq_indices),
-# (BLOCK_OPS, swap_out, swap_in, copies), (STOP,).
-STEP = "step"
-BLOCK_OPS = "block_ops"
+# Messages from the driver, over the CPU group: (CALL, method, args, kwargs) makes the same
+# call on this rank's runner as on the driver's, for the methods in FORWARDED; (STOP,) ends.
+CALL = "call"
 STOP = "stop"
+FORWARDED = frozenset({"execute", "apply_block_ops"})
 JOINED_KEY = "pagedkv/worker_joined/{rank}"
 
 
@@ -93,11 +93,9 @@ def serve(ctx: ParallelContext, runner: ModelRunner) -> None:
     while True:
         msg = ctx.broadcast_object()
         kind = msg[0]
-        if kind == STEP:
-            runner.execute(msg[1], msg[2])
-            steps += 1
-        elif kind == BLOCK_OPS:
-            runner.apply_block_ops(msg[1], msg[2], msg[3])
+        if kind == CALL and msg[1] in FORWARDED:
+            getattr(runner, msg[1])(*msg[2], **msg[3])
+            steps += msg[1] == "execute"
         elif kind == STOP:
             logger.info("rank %d: the driver stopped the engine after %d steps", ctx.rank, steps)
             return
