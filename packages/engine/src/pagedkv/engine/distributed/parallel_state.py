@@ -20,6 +20,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,11 +32,13 @@ logger = logging.getLogger(__name__)
 
 # Settings the multi-GPU machines need in every process (NVLink multicast / symmetric memory
 # stay off); set when absent, never overridden.
-NCCL_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+NCCL_ENV = MappingProxyType(
+    {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
+)
 # How long a worker may wait for the driver's next step message: the engine may idle for hours.
 CPU_GROUP_TIMEOUT = timedelta(days=365)
 SUPPORTED_ARCHITECTURES = ("llama", "opt")
