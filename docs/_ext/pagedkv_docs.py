@@ -295,18 +295,28 @@ def _list_table(header: list[str], rows: list[list[str]], title: str = "") -> li
 
 
 class PerformanceDirective(SphinxDirective):
-    """``pagedkv-performance``: every committed benchmark result, as tables and plots."""
+    """``pagedkv-performance``: every committed benchmark result, as tables and plots.
+
+    An optional argument (a file name or glob under ``docs/performance/``, such as
+    ``tensor_parallel.json``) renders only those results, for a page about one feature."""
 
     has_content = False
     required_arguments = 0
-    optional_arguments = 0
+    optional_arguments = 1
 
     def run(self) -> list[nodes.Node]:
         perf_dir = Path(self.env.srcdir) / "performance"
         out_dir = perf_dir / "_generated"
-        files = sorted(perf_dir.glob("*.json"))
+        pattern = self.arguments[0] if self.arguments else None
+        files = sorted(perf_dir.glob(pattern or "*.json"))
         lines: list[str] = []
-        if not files:
+        if not files and pattern:
+            lines += [
+                f"``docs/performance/{pattern}`` is not committed yet: it shows up here on",
+                "the next build once measured.",
+                "",
+            ]
+        elif not files:
             lines += [
                 "No measured result is committed yet. Each benchmark's GPU result lands as one JSON",
                 "file under ``docs/performance/`` and shows up here on the next build.",
@@ -325,11 +335,14 @@ class PerformanceDirective(SphinxDirective):
                 continue
             if not isinstance(data, dict):
                 data = {"results": data}
-            lines += self._render_result(path, data, out_dir, used_images)
+            rendered = self._render_result(path, data, out_dir, used_images)
+            if pattern is not None:  # a title, not a section: the performance page has that
+                rendered = [f"**{rendered[0]}**", *rendered[2:]]
+            lines += rendered
         others = [
             p
             for p in sorted(perf_dir.iterdir())
-            if p.suffix.lower() in IMAGE_SUFFIXES and p not in used_images
+            if p.suffix.lower() in IMAGE_SUFFIXES and p not in used_images and pattern is None
         ]
         if others:
             lines += ["Other plots", "-----------", ""]

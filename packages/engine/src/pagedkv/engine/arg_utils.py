@@ -46,6 +46,7 @@ class EngineArgs:
     device: str = "auto"
     num_gpu_blocks_override: int | None = None
     num_cpu_blocks_override: int | None = None
+    distributed_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,11 +75,10 @@ class EngineArgs:
             raise bad("max_model_len", f"must be >= 2 (got {self.max_model_len})")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise bad("preemption_mode", f"must be 'recompute', 'swap' or unset (got {self.preemption_mode!r})")
-        if self.tensor_parallel_size != 1:
-            raise bad(
-                "tensor_parallel_size",
-                "only 1 is supported in this release (tensor parallelism is tracked separately)",
-            )
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", f"must be >= 1 (got {self.tensor_parallel_size})")
+        if self.distributed_timeout <= 0:
+            raise bad("distributed_timeout", f"must be positive seconds (got {self.distributed_timeout})")
         if self.device not in _DEVICES:
             raise bad("device", f"must be one of {_DEVICES} (got {self.device!r})")
         for name in ("num_gpu_blocks_override", "num_cpu_blocks_override"):
@@ -122,6 +122,8 @@ class EngineArgs:
                        help="how to free memory under pressure (default: recompute single sequences, swap groups)")
         g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model over")
+        g.add_argument("--distributed-timeout", type=float, default=d["distributed_timeout"].default,
+                       help="seconds a tensor-parallel collective may wait for a rank before the engine stops")
         g.add_argument("--device", choices=_DEVICES, default="auto", help="where to run (auto: CUDA if present)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of KV blocks (tests and experiments)")

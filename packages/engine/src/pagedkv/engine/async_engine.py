@@ -119,6 +119,8 @@ class AsyncLLMEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()  # tensor-parallel workers, if any
 
     # ---- the loop -------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -174,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if getattr(args, "tensor_parallel_size", 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0:
+        # torchrun rank > 0: serve rank 0's engine instead of running the command
+        from pagedkv.engine.distributed.worker import run_torchrun_worker_cli
+
+        return run_torchrun_worker_cli(args)
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:

@@ -28,8 +28,8 @@ from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.beam_search import Beam, BeamSearch
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize
+from pagedkv.engine.distributed.executor import TensorParallelError, make_runner
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -125,7 +125,8 @@ class LLMEngine:
         )
         self.tokenizer = self._load_tokenizer()
         torch.manual_seed(args.seed)
-        self.runner = ModelRunner(self.model_config, args, self.device, model=model)
+        # tensor_parallel_size 1: a ModelRunner; more: rank 0 of a tensor-parallel group
+        self.runner = make_runner(self.model_config, args, self.device, model=model)
         mc = self.model_config
         self.scheduler = Scheduler(SchedulerConfig(
             block_size=args.block_size,
@@ -146,6 +147,7 @@ class LLMEngine:
         self._primary_eos = tok_eos if tok_eos in mc.eos_token_ids else (
             self.eos_token_ids[0] if self.eos_token_ids else None)
         self._requests: dict[str, _RequestState] = {}
+        self._fatal: TensorParallelError | None = None  # set when a tensor-parallel rank died
         # Streaming callers want every request's cumulative output after each step; offline
         # callers only the finished ones, and building the rest costs a copy of every live
         # sequence's tokens per step.
@@ -171,6 +173,13 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Release what outlives the engine object: tensor-parallel workers and process groups
+        (nothing to do on one device). Also done at garbage collection and interpreter exit."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
     def prepare_request(self, prompt: str | Sequence[int], params: SamplingParams) -> PreparedRequest:
@@ -316,6 +325,8 @@ class LLMEngine:
     # ---- one iteration ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self._fatal is not None:
+            raise self._fatal
         out = self.scheduler.schedule()
         now = time.time()
         results: list[RequestOutput] = []
@@ -336,6 +347,9 @@ class LLMEngine:
                 [(ss.token_ids, ss.start, ss.block_table) for ss in sched], sample_idx
             )
             samples, pending, beam_done = self._sample(out, sample_idx, logits, touched)
+        except TensorParallelError as exc:
+            self._fatal = exc  # a tensor-parallel rank died: the engine cannot go on
+            raise
         except Exception:
             # One bad batch must not wedge the engine: its requests end as aborted (their
             # blocks freed) and the others go on at the next step.

@@ -4,6 +4,11 @@ The module tree is first built on the ``meta`` device (no memory, no random init
 then materialized directly on the target device in the target dtype, then filled from the
 checkpoint one tensor at a time. Loading a model therefore costs one copy of its weights on the
 device plus one checkpoint tensor on the host at a time.
+
+With tensor parallelism (``tp``) the tree holds one rank's shards, and each parallel layer copies
+only its slice of every checkpoint tensor: safetensors are read slice by slice, a GGUF tensor is
+dequantized then narrowed, dummy weights are drawn whole (exactly the tensor a single-device
+model draws) then narrowed, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedkv.engine.config import LOAD_FORMATS, ModelConfig, parse_dtype
+from pagedkv.engine.distributed.parallel_state import TPInfo
 from pagedkv.engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -39,11 +45,13 @@ def resolve_load_format(config: ModelConfig, load_format: str = "auto") -> str:
     return load_format
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
-    """The model's module tree on the meta device (shapes only)."""
+def build_model(config: ModelConfig, dtype: torch.dtype, tp: TPInfo | None = None) -> nn.Module:
+    """The model's module tree on the meta device (shapes only); with ``tp`` one rank's share."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
-        model = cls(config.hf_config)
+        model = (
+            cls(config.hf_config) if tp is None or tp.size == 1 else cls(config.hf_config, tp=tp)
+        )
     return model.to(dtype)
 
 
@@ -54,15 +62,18 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     seed: int = 0,
+    tp: TPInfo | None = None,
 ) -> nn.Module:
     """The model in eval mode with its weights, on ``device`` (default: CUDA if available) in
     ``dtype`` (default: ``config.dtype``). ``device="meta"`` returns the shapes only (nothing is
-    read or allocated). ``seed`` seeds dummy weights."""
+    read or allocated). ``seed`` seeds dummy weights. ``tp``: build and load one tensor-parallel
+    rank's shard only."""
     fmt = resolve_load_format(config, load_format)
     dtype = config.dtype if dtype is None else parse_dtype(dtype)
     device = default_device() if device is None else torch.device(device)
     start = time.perf_counter()
-    model = build_model(config, dtype)
+    model = build_model(config, dtype, tp)
+    sharded = tp is not None and tp.size > 1
     if device.type != "meta":
         model = model.to_empty(device=device)
         for module in model.modules():
@@ -80,15 +91,16 @@ def load_model(
         else:
             from pagedkv.engine.weights.hf import iter_safetensors_weights
 
-            model.load_weights(iter_safetensors_weights(config.path))
+            model.load_weights(iter_safetensors_weights(config.path, lazy=sharded))
     model.eval().requires_grad_(False)
     logger.info(
-        "loaded %s (%s, %s weights, %s on %s) in %.2f s",
+        "loaded %s (%s, %s weights, %s on %s%s) in %.2f s",
         config.name,
         config.architecture,
         fmt,
         dtype,
         device,
+        f", tensor-parallel rank {tp.rank} of {tp.size}" if sharded else "",
         time.perf_counter() - start,
     )
     return model

@@ -22,14 +22,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.engine.attention import Attention, AttentionMetadata
+from pagedkv.engine.distributed.parallel_state import TPInfo, tp_rank_size
 from pagedkv.engine.models.layers import (
     RMSNorm,
     RotaryAngles,
     RotaryEmbedding,
     check_all_loaded,
-    copy_weight,
     rope_inv_freq,
     silu_and_mul,
+)
+from pagedkv.engine.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+    load_parameter,
+    materialize,
+    vocab_parallel_logits,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,18 +53,27 @@ def _head_dim(cfg: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any):
+    """Self-attention over this rank's heads: Q/K/V column-parallel by head, output
+    row-parallel (one rank: all heads)."""
+
+    def __init__(self, cfg: Any, tp: TPInfo | None = None):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        _, size = tp_rank_size(tp)
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.num_heads = divide(total_heads, size, "num_attention_heads")
+        self.num_kv_heads = divide(total_kv_heads, size, "num_key_value_heads")
         self.head_dim = _head_dim(cfg)
         # Llama's attention_bias covers all four projections; Qwen2 has bias on Q/K/V only.
         qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         o_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type != "qwen2"
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        q_total, kv_total = total_heads * self.head_dim, total_kv_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, (q_total, kv_total, kv_total), bias=qkv_bias, tp=tp
+        )
+        self.o_proj = RowParallelLinear(q_total, cfg.hidden_size, bias=o_bias, tp=tp)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(
@@ -74,26 +93,35 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any):
+    """SwiGLU over this rank's slice of the intermediate features: gate/up column-parallel,
+    down row-parallel."""
+
+    def __init__(self, cfg: Any, tp: TPInfo | None = None):
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"Llama-family MLP needs hidden_act 'silu', got {cfg.hidden_act!r}")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        _, size = tp_rank_size(tp)
+        total = cfg.intermediate_size
+        self.intermediate_size = divide(total, size, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, (total, total), bias=bias, tp=tp, what="intermediate_size"
+        )
+        self.down_proj = RowParallelLinear(
+            total, cfg.hidden_size, bias=bias, tp=tp, what="intermediate_size"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, tp: TPInfo | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(
         self,
@@ -122,22 +150,28 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]``;
     ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
+
+    ``tp``: this rank's place in a tensor-parallel group (None: the whole model on one device).
+    Then each rank holds its heads, its MLP slice and its vocabulary slice; ``compute_logits``
+    returns the whole vocabulary's logits on rank 0 and None on the others.
     """
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, tp: TPInfo | None = None):
         super().__init__()
         cfg = hf_config
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(_head_dim(cfg), rope_inv_freq(cfg, _head_dim(cfg)))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (
             None
             if self.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
         )
 
     def forward(
@@ -157,57 +191,48 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return vocab_parallel_logits(
+            hidden, self.embed_tokens if self.lm_head is None else self.lm_head
+        )
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...),
-        fusing Q/K/V and gate/up. ``rope_freqs`` (from GGUF) rescales the rotary frequencies."""
+        fusing Q/K/V and gate/up, each rank reading its shard only. ``rope_freqs`` (from GGUF)
+        rescales the rotary frequencies."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
-        shards = _shard_table(self.layers[0] if len(self.layers) else None)
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "rope_freqs":
-                self.rotary.apply_freq_factors(tensor)
+                self.rotary.apply_freq_factors(materialize(tensor))
                 continue
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the input embedding is the output matrix
-            target, shard = _fused_target(name, shards)
+            target, shard = _fused_target(name)
             if target not in params:
                 logger.warning("ignoring checkpoint tensor %r: no such weight in the model", name)
                 continue
-            param = params[target]
-            if shard is None:
-                copy_weight(param, tensor, name)
-            else:
-                start, size = shard
-                copy_weight(param.narrow(0, start, size), tensor, name)
+            load_parameter(modules, target, tensor, shard, name)
             loaded.add(target)
         check_all_loaded(self, loaded)
 
 
-def _shard_table(layer: LlamaDecoderLayer | None) -> dict[str, tuple[str, int, int]]:
-    """Checkpoint projection -> (our fused projection, first row, rows)."""
-    if layer is None:
-        return {}
-    attn, mlp = layer.self_attn, layer.mlp
-    return {
-        ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0, attn.q_size),
-        ".self_attn.k_proj.": (".self_attn.qkv_proj.", attn.q_size, attn.kv_size),
-        ".self_attn.v_proj.": (".self_attn.qkv_proj.", attn.q_size + attn.kv_size, attn.kv_size),
-        ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0, mlp.intermediate_size),
-        ".mlp.up_proj.": (".mlp.gate_up_proj.", mlp.intermediate_size, mlp.intermediate_size),
-    }
+# checkpoint projection -> (our fused projection, its part)
+_FUSED_PARTS = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", 1),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", 2),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
 
 
-def _fused_target(
-    name: str, shards: dict[str, tuple[str, int, int]]
-) -> tuple[str, tuple[int, int] | None]:
-    """Our parameter name and row range for a checkpoint tensor name."""
-    for source, (fused, start, size) in shards.items():
+def _fused_target(name: str) -> tuple[str, int | None]:
+    """Our parameter name, and the part of it, for a checkpoint tensor name."""
+    for source, (fused, part) in _FUSED_PARTS.items():
         if source in name:
-            return name.replace(source, fused), (start, size)
+            return name.replace(source, fused), part
     return name, None

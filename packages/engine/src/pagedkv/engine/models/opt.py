@@ -13,11 +13,20 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.engine.attention import Attention, AttentionMetadata
-from pagedkv.engine.models.layers import check_all_loaded, copy_weight, get_activation
+from pagedkv.engine.distributed.parallel_state import TPInfo, tp_rank_size
+from pagedkv.engine.models.layers import check_all_loaded, get_activation
+from pagedkv.engine.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+    load_parameter,
+    vocab_parallel_logits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +34,23 @@ POSITION_OFFSET = 2  # OPT's position embedding table starts at index 2
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, cfg: Any):
+    """Self-attention over this rank's heads (Q/K/V column-parallel, output row-parallel)."""
+
+    def __init__(self, cfg: Any, tp: TPInfo | None = None):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
+        total_heads = cfg.num_attention_heads
         self.hidden_size = cfg.hidden_size
-        if self.hidden_size % self.num_heads:
+        if self.hidden_size % total_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_heads}"
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {total_heads}"
             )
-        self.head_dim = self.hidden_size // self.num_heads
+        _, size = tp_rank_size(tp)
+        self.num_heads = divide(total_heads, size, "num_attention_heads")
+        self.head_dim = self.hidden_size // total_heads
         bias = bool(getattr(cfg, "enable_bias", True))
-        self.qkv_proj = nn.Linear(self.hidden_size, 3 * self.hidden_size, bias=bias)
-        self.out_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        h = self.hidden_size
+        self.qkv_proj = ColumnParallelLinear(h, (h, h, h), bias=bias, tp=tp, what="hidden_size")
+        self.out_proj = RowParallelLinear(h, h, bias=bias, tp=tp, what="hidden_size")
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x, kv_cache, meta) -> torch.Tensor:
@@ -45,15 +59,17 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, tp: TPInfo | None = None):
         super().__init__()
         affine = bool(getattr(cfg, "layer_norm_elementwise_affine", True))
         bias = bool(getattr(cfg, "enable_bias", True))
         self.pre_norm = bool(cfg.do_layer_norm_before)
-        self.self_attn = OPTAttention(cfg)
+        self.self_attn = OPTAttention(cfg, tp)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=bias)
+        self.fc1 = ColumnParallelLinear(
+            cfg.hidden_size, (cfg.ffn_dim,), bias=bias, tp=tp, what="ffn_dim"
+        )
+        self.fc2 = RowParallelLinear(cfg.ffn_dim, cfg.hidden_size, bias=bias, tp=tp, what="ffn_dim")
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
         self.act = get_activation(cfg.activation_function)
 
@@ -70,22 +86,23 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
-    """OPT causal LM over a packed batch with a paged KV cache (same interface as Llama)."""
+    """OPT causal LM over a packed batch with a paged KV cache (same interface as Llama,
+    tensor parallelism included; positions and the OPT-350m projections are replicated)."""
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, tp: TPInfo | None = None):
         super().__init__()
         cfg = hf_config
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
         embed_dim = getattr(cfg, "word_embed_proj_dim", None) or cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, embed_dim, tp=tp)
         self.embed_positions = nn.Embedding(
             cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size
         )
         projected = embed_dim != cfg.hidden_size
         self.project_in = nn.Linear(embed_dim, cfg.hidden_size, bias=False) if projected else None
         self.project_out = nn.Linear(cfg.hidden_size, embed_dim, bias=False) if projected else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         final_norm = cfg.do_layer_norm_before and not getattr(
             cfg, "_remove_final_layer_norm", False
         )
@@ -96,7 +113,7 @@ class OPTForCausalLM(nn.Module):
         # OPT ties the output matrix to the input embedding unless told otherwise.
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(embed_dim, cfg.vocab_size, bias=False)
+            None if self.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, embed_dim, tp=tp)
         )
 
     def forward(
@@ -119,33 +136,29 @@ class OPTForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return vocab_parallel_logits(
+            hidden, self.embed_tokens if self.lm_head is None else self.lm_head
+        )
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load Hugging Face-named tensors (``model.decoder.layers.0.fc1.weight`` or the
-        original ``decoder.layers.0.fc1.weight``), fusing Q/K/V."""
+        original ``decoder.layers.0.fc1.weight``), fusing Q/K/V, each rank reading its shard."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
-        hidden = self.config.hidden_size
-        shards = {
-            ".self_attn.q_proj.": 0,
-            ".self_attn.k_proj.": hidden,
-            ".self_attn.v_proj.": 2 * hidden,
-        }
+        parts = {".self_attn.q_proj.": 0, ".self_attn.k_proj.": 1, ".self_attn.v_proj.": 2}
         for name, tensor in weights:
             name = name.removeprefix("model.").removeprefix("decoder.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            target, start = name, None
-            for source, offset in shards.items():
+            target, part = name, None
+            for source, k in parts.items():
                 if source in name:
-                    target, start = name.replace(source, ".self_attn.qkv_proj."), offset
+                    target, part = name.replace(source, ".self_attn.qkv_proj."), k
                     break
             if target not in params:
                 logger.warning("ignoring checkpoint tensor %r: no such weight in the model", name)
                 continue
-            param = params[target] if start is None else params[target].narrow(0, start, hidden)
-            copy_weight(param, tensor, name)
+            load_parameter(modules, target, tensor, part, name)
             loaded.add(target)
         check_all_loaded(self, loaded)

@@ -39,11 +39,36 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint, one shard at a time."""
+def iter_safetensors_weights(
+    folder: str | Path, *, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | SafetensorsSlice]]:
+    """(name, CPU tensor) for every tensor of the checkpoint, one shard at a time.
+
+    ``lazy=True`` yields :class:`SafetensorsSlice` handles instead, valid until the next item:
+    a tensor-parallel rank reads only its slice of each tensor."""
     from safetensors import safe_open
 
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, (SafetensorsSlice(f, name) if lazy else f.get_tensor(name))
+
+
+class SafetensorsSlice:
+    """A checkpoint tensor not read yet: ``shape``, ``narrow`` (reads that slice only) and
+    ``materialize`` (reads it all)."""
+
+    __slots__ = ("_slice", "name", "shape")
+
+    def __init__(self, handle, name: str) -> None:
+        self.name = name
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)] if self.shape else self._slice[:]

@@ -1,0 +1,15 @@
+"""Tensor parallelism over `torch.distributed`: one model split over several devices.
+
+Megatron-LM style, as in the PagedAttention paper: every rank holds the weights and the KV cache
+of its share of the attention heads (and its slice of the MLP and of the vocabulary); one
+scheduler, on rank 0 (the *driver*), drives all ranks with the same block tables.
+
+* `parallel_state`: process groups (NCCL on CUDA, gloo on the CPU, plus a gloo group for the
+  small per-step messages), timeouts, and the start-time checks of a configuration.
+* `communication`: the collectives the model layers use (identity when the size is 1).
+* `executor`: what `LLMEngine` drives: the plain `ModelRunner` at size 1, else a
+  `TensorParallelRunner` that starts the workers and broadcasts each step.
+* `worker`: the loop of ranks > 0 (spawned by the driver, or started by `torchrun`).
+
+Nothing here is imported by the engine at size 1 beyond `executor.make_runner`.
+"""

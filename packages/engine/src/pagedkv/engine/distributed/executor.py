@@ -1,0 +1,387 @@
+"""What `LLMEngine` drives: one `ModelRunner`, or a tensor-parallel group of them.
+
+:func:`make_runner` returns the plain :class:`~pagedkv.engine.runner.ModelRunner` for
+``tensor_parallel_size == 1`` (the engine's hot path is unchanged), else a
+:class:`TensorParallelRunner` with the same interface (``apply_block_ops``, ``execute``,
+``num_gpu_blocks``, ``num_cpu_blocks``, ``max_num_batched_tokens``) that:
+
+1. checks that the model can be split that way (a ``ValueError`` before anything starts);
+2. spawns ``N - 1`` worker processes (or, under ``torchrun``, finds them started), joins them in
+   one process group, and loads rank 0's shard beside theirs; the KV cache gets the smallest
+   number of blocks that fits on every rank;
+3. per step, broadcasts the scheduler's block operations and batch (token ids, first positions
+   and block tables of the sequences, which of them sample) to the workers, then runs rank 0's
+   share itself; the logits are gathered on rank 0, where the engine samples;
+4. watches the workers: a worker that exits, or a collective that fails or times out, ends the
+   engine with a :class:`TensorParallelError` naming the rank and its exit code, and stops the
+   other workers, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.distributed.parallel_state import (
+    ParallelContext,
+    apply_nccl_env,
+    check_tensor_parallel,
+    rank_device,
+    torchrun_env,
+)
+from pagedkv.engine.distributed.worker import (
+    CALL,
+    JOINED_KEY,
+    STOP,
+    build_rank_runner,
+    run_torchrun_worker,
+    spawned_worker_main,
+)
+from pagedkv.engine.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Seconds to wait for a worker to exit after the stop message, then after SIGTERM.
+_JOIN_TIMEOUT = 30.0
+_KILL_TIMEOUT = 5.0
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel engine cannot go on: a worker died, or a step failed partway so the
+    ranks are no longer in step. Every later step raises it too; start a new engine."""
+
+
+def make_runner(
+    model_config: ModelConfig,
+    args: EngineArgs,
+    device: torch.device,
+    model: torch.nn.Module | None = None,
+) -> ModelRunner | TensorParallelRunner:
+    """The runner for ``args.tensor_parallel_size`` (see the module docstring)."""
+    if args.tensor_parallel_size == 1:
+        return ModelRunner(model_config, args, device, model=model)
+    if model is not None:
+        raise ValueError(
+            "a pre-loaded model cannot be split over tensor-parallel ranks; let the engine load "
+            "it (model=None) or use tensor_parallel_size=1"
+        )
+    check_tensor_parallel(model_config, args.tensor_parallel_size, device)
+    launch = torchrun_env()
+    if launch is not None and launch.rank > 0:
+        # A script run by torchrun on every rank: ranks > 0 serve rank 0's engine, then exit.
+        raise SystemExit(run_torchrun_worker(args, model_config))
+    return TensorParallelRunner(model_config, args, device)
+
+
+class _Workers:
+    """The spawned worker processes, and a thread that notices when one exits.
+
+    Holds everything needed to stop the group, so that it can be stopped by a finalizer
+    (without a reference to the runner) as well as explicitly."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, Any] = {}  # rank -> multiprocessing.Process
+        self.ctx: ParallelContext | None = None
+        self.failure: tuple[int, int | None, int | None] | None = None  # rank, pid, exit code
+        self.stopping = threading.Event()
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def spawn(
+        self,
+        world_size: int,
+        port: int,
+        device: torch.device,
+        model_config: ModelConfig,
+        args: EngineArgs,
+    ) -> None:
+        mp = torch.multiprocessing.get_context("spawn")
+        level = logging.getLogger().getEffectiveLevel()
+        threads = torch.get_num_threads()
+        for rank in range(1, world_size):
+            proc = mp.Process(
+                target=spawned_worker_main,
+                args=(
+                    rank,
+                    world_size,
+                    "127.0.0.1",
+                    port,
+                    device.type,
+                    model_config,
+                    args,
+                    level,
+                    threads,
+                ),
+                name=f"pagedkv-tp-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self.procs[rank] = proc
+        threading.Thread(target=self._watch, name="pagedkv-tp-monitor", daemon=True).start()
+
+    def _watch(self) -> None:
+        pending = {proc.sentinel: rank for rank, proc in self.procs.items()}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending)):
+                rank = pending.pop(sentinel)
+                proc = self.procs[rank]
+                proc.join(1.0)
+                if self.stopping.is_set() or self.failure is not None:
+                    continue
+                self.failure = (rank, proc.pid, proc.exitcode)
+                logger.error("%s", self.describe_failure())
+                self._unblock_driver()
+
+    def _unblock_driver(self) -> None:
+        """A driver waiting in an NCCL collective for a dead rank would wait until the
+        collective times out; aborting the communicators releases it at once."""
+        ctx = self.ctx
+        if ctx is None or ctx.device.type != "cuda":
+            return  # gloo notices the closed connection by itself
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        except Exception as exc:  # best effort: the collective timeout is the fallback
+            logger.warning("could not abort the NCCL communicators: %s", exc)
+
+    def describe_failure(self) -> str:
+        if self.failure is None:
+            return ""
+        rank, pid, code = self.failure
+        if code is None:
+            how = "stopped responding"
+        elif code < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        hint = " (its error is in the log above)" if code is not None and code > 0 else ""
+        return f"tensor-parallel worker rank {rank} (pid {pid}) {how}{hint}; the engine is stopped"
+
+    def wait_for_failure(self, seconds: float) -> None:
+        """Give the monitor up to ``seconds`` to see a worker exit (a collective usually
+        fails a moment before the dead process is reaped)."""
+        deadline = time.monotonic() + seconds
+        while self.failure is None and time.monotonic() < deadline:
+            if not any(p.is_alive() for p in self.procs.values()):
+                break
+            time.sleep(0.02)
+
+    def wait_joined(self, store: Any, timeout_s: float) -> None:
+        """Wait until every worker has reached the rendezvous, failing fast if one dies first
+        (before the process group exists, nothing else would notice)."""
+        keys = [JOINED_KEY.format(rank=r) for r in self.procs]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            if self.failure is not None:
+                raise TensorParallelError(self.describe_failure())
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel workers did not start within {timeout_s:.0f} s "
+                    "(--distributed-timeout)"
+                )
+            time.sleep(0.02)
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the workers (the stop message, then SIGTERM, then SIGKILL) and leave the
+        process groups. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.stopping.set()
+        ctx = self.ctx
+        if graceful and ctx is not None and self.failure is None:
+            try:
+                ctx.broadcast_object((STOP,))
+            except Exception as exc:
+                logger.warning("could not send the stop message to the workers: %s", exc)
+        deadline = time.monotonic() + (_JOIN_TIMEOUT if graceful else 0.0)
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(_KILL_TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(_KILL_TIMEOUT)
+        if ctx is not None:
+            if self.failure is not None:
+                self._unblock_driver()
+            ctx.destroy()
+
+
+class TensorParallelRunner:
+    """Rank 0 of a tensor-parallel group: `ModelRunner`'s interface over all ranks."""
+
+    def __init__(self, model_config: ModelConfig, args: EngineArgs, device: torch.device) -> None:
+        tp = args.tensor_parallel_size
+        check_tensor_parallel(model_config, tp, device)
+        apply_nccl_env()
+        self.args = args
+        self.world_size = tp
+        self._workers = _Workers()
+        self._error: TensorParallelError | None = None
+        launch = torchrun_env()
+        timeout_s = float(args.distributed_timeout)
+        try:
+            if launch is None:
+                import torch.distributed as dist
+
+                if sys.platform.startswith("linux"):
+                    # all ranks on this machine: gloo over loopback, whatever the host name
+                    # resolves to (workers inherit the setting)
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                store = dist.TCPStore(
+                    "127.0.0.1",
+                    0,
+                    tp,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout_s),
+                )
+                self._workers.spawn(tp, store.port, device, model_config, args)
+                self._workers.wait_joined(store, timeout_s)
+                ctx = ParallelContext.init(
+                    0, tp, rank_device(device, 0), timeout_s=timeout_s, store=store
+                )
+            else:
+                ctx = ParallelContext.init(
+                    launch.rank,
+                    tp,
+                    rank_device(device, launch.local_rank),
+                    timeout_s=timeout_s,
+                    init_method="env://",
+                )
+            self._workers.ctx = ctx
+            self.ctx = ctx
+            self.local = build_rank_runner(ctx, model_config, args)
+        except BaseException as exc:
+            self._workers.wait_for_failure(2.0)
+            failure = self._workers.describe_failure()
+            self._workers.close(graceful=False)
+            if failure:
+                raise TensorParallelError(failure) from exc
+            raise
+        self.device = self.local.device
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        logger.info(
+            "tensor parallelism over %d ranks (%s): %d KV blocks per rank",
+            tp,
+            "torchrun" if launch is not None else "spawned workers",
+            self.local.num_gpu_blocks,
+        )
+
+    # ---- what the engine reads -------------------------------------------------------------
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.local.num_gpu_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.local.num_cpu_blocks
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.local.max_num_batched_tokens
+
+    @property
+    def block_size(self) -> int:
+        return self.local.block_size
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """Rank 0's shard of the model."""
+        return self.local.model
+
+    # ---- one step --------------------------------------------------------------------------
+    # Both calls take whatever `ModelRunner`'s take: the arguments travel to every rank as they
+    # are and each rank makes the same call on its own runner.
+    def apply_block_ops(self, *args: Any, **kwargs: Any) -> None:
+        """Swap and copy blocks on every rank (nothing is sent when there is nothing to do)."""
+        if not kwargs and not any(len(a) for a in args):
+            return
+        self._run("apply_block_ops", args, kwargs)
+
+    def execute(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run one step on every rank; rank 0's float32 logits of the sampling sequences."""
+        return self._run("execute", args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Other `ModelRunner` attributes read rank 0's; a method would run on rank 0 only,
+        leaving the workers behind, so it must be forwarded explicitly above."""
+        local = self.__dict__.get("local")
+        if local is None or name.startswith("__"):
+            raise AttributeError(name)
+        value = getattr(local, name)
+        if callable(value):
+            raise AttributeError(
+                f"ModelRunner.{name} is not forwarded to the tensor-parallel workers; "
+                "add it to TensorParallelRunner (and to the worker loop)"
+            )
+        return value
+
+    def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
+        if self._error is not None:
+            raise self._error
+        if self._workers.failure is not None:
+            raise self._fail(None)
+        if self._workers.closed:
+            raise TensorParallelError("the tensor-parallel engine was shut down; start a new one")
+        try:
+            self.ctx.broadcast_object((CALL, method, args, kwargs))
+            result = getattr(self.local, method)(*args, **kwargs)
+            if self.device.type == "cuda":
+                # The step's collectives are done only when the stream is; a dead peer shows here
+                # (the monitor aborts the communicators) rather than as garbage logits later.
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException as exc:  # Ctrl-C too: the workers cannot be left mid-step
+            error = self._fail(exc)
+            if isinstance(exc, Exception):
+                raise error from exc
+            raise
+        if self._workers.failure is not None:
+            raise self._fail(None)
+        return result
+
+    def _fail(self, exc: BaseException | None) -> TensorParallelError:
+        """Stop every rank and remember why: the ranks can no longer be kept in step."""
+        if exc is not None:
+            self._workers.wait_for_failure(5.0)
+        reason = self._workers.describe_failure()  # the monitor has logged it
+        if not reason:
+            reason = (
+                f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc}); "
+                "the ranks are out of step, so the engine is stopped"
+            )
+            logger.error("%s", reason)
+        self._error = TensorParallelError(reason)
+        self._workers.close(graceful=False)
+        return self._error
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process groups (also done at garbage collection and
+        interpreter exit)."""
+        self._finalizer()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None and self._workers.failure is None and not self._workers.closed

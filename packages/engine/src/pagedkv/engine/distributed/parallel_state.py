@@ -1,0 +1,243 @@
+"""Process groups of tensor parallelism, and the checks that a configuration can be split.
+
+Two groups span the same ranks:
+
+* the *device group* (the default process group): NCCL on CUDA, gloo on the CPU. The model's
+  all-reduces and the logits gather run on it, with `distributed_timeout` seconds per collective,
+  so a rank that stops answering brings the others down instead of hanging them.
+* the *CPU group* (gloo): the driver broadcasts each step's small Python message over it. Its
+  timeout is long, because a worker waits on it for the next step however long the engine idles;
+  a dead peer still shows at once (gloo sees the closed connection).
+
+The state lives in one explicit :class:`ParallelContext` object (torch.distributed itself keeps
+the default group); the model layers get the small, immutable :class:`TPInfo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagedkv.engine.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Settings the multi-GPU machines need in every process (NVLink multicast / symmetric memory
+# stay off); set when absent, never overridden.
+NCCL_ENV = MappingProxyType(
+    {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
+)
+# How long a worker may wait for the driver's next step message: the engine may idle for hours.
+CPU_GROUP_TIMEOUT = timedelta(days=365)
+SUPPORTED_ARCHITECTURES = ("llama", "opt")
+
+
+def apply_nccl_env() -> None:
+    """Set :data:`NCCL_ENV` in this process's environment where absent (before NCCL starts;
+    spawned workers inherit it)."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+@dataclass(frozen=True, slots=True)
+class TPInfo:
+    """What a model layer needs to know: its rank, the number of ranks, and the group of its
+    collectives (``None``: the default group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+
+def tp_rank_size(tp: TPInfo | None) -> tuple[int, int]:
+    """(rank, size) of ``tp``; (0, 1) without tensor parallelism."""
+    return (0, 1) if tp is None else (tp.rank, tp.size)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchrunEnv:
+    """The environment `torchrun` gives each process it starts."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """This process's place in a `torchrun` launch of more than one process, else None."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    world = int(env["WORLD_SIZE"])
+    if world <= 1:
+        return None
+    return TorchrunEnv(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+    )
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of the rank with ``local_rank`` on its machine (one GPU per rank)."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else torch.device("cpu")
+
+
+@dataclass(slots=True)
+class ParallelContext:
+    """One rank's membership of the tensor-parallel group (all ranks of the launch)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout_s: float
+    cpu_group: Any
+
+    @property
+    def tp(self) -> TPInfo:
+        return TPInfo(self.rank, self.world_size, None)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def init(
+        cls,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        *,
+        timeout_s: float,
+        store: Any = None,
+        init_method: str | None = None,
+    ) -> ParallelContext:
+        """Join the default process group (rendezvous through ``store``, or ``init_method``
+        such as ``env://``) and create the CPU group. Every rank calls this, in any order."""
+        apply_nccl_env()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {
+            "backend": backend,
+            "rank": rank,
+            "world_size": world_size,
+            "timeout": timedelta(seconds=timeout_s),
+        }
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = init_method or "env://"
+        dist.init_process_group(**kwargs)
+        cpu_group = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
+        logger.info("rank %d of %d joined (%s on %s)", rank, world_size, backend, device)
+        return cls(rank, world_size, device, timeout_s, cpu_group)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled, over the CPU group)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over all ranks (over the CPU group)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def max_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return int(t.item())
+
+    def destroy(self) -> None:
+        """Leave the groups (this process may then start another tensor-parallel engine)."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a peer may be gone already
+                logger.debug("destroy_process_group: %s", exc)
+
+
+def rank_model_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """The model as one rank sees it: its share of the query and KV heads (what its KV cache
+    holds); every other field as in ``config``."""
+    if tp_size == 1:
+        return config
+    return dataclasses.replace(
+        config, num_heads=config.num_heads // tp_size, num_kv_heads=config.num_kv_heads // tp_size
+    )
+
+
+def _split_sizes(config: ModelConfig) -> dict[str, int]:
+    """The sizes tensor parallelism splits, by their config names."""
+    cfg = config.hf_config
+    if config.architecture == "opt":
+        return {"num_attention_heads": config.num_heads, "ffn_dim": int(cfg.ffn_dim)}
+    return {
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "intermediate_size": int(cfg.intermediate_size),
+    }
+
+
+def valid_tp_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
+    """Tensor-parallel sizes up to ``limit`` that split ``config`` evenly."""
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
+        return [1]
+    sizes = _split_sizes(config).values()
+    return [n for n in range(1, limit + 1) if all(s % n == 0 for s in sizes)]
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int, device: torch.device) -> None:
+    """Raise ``ValueError`` saying what to do when ``config`` cannot run split ``tp_size`` ways
+    on ``device``. Nothing is started before this passes."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1 (got {tp_size})")
+    if tp_size == 1:
+        return
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"tensor parallelism supports the {' and '.join(SUPPORTED_ARCHITECTURES)} families; "
+            f"{config.name} is {config.architecture}: run it with --tensor-parallel-size 1"
+        )
+    bad = [f"{name}={size}" for name, size in _split_sizes(config).items() if size % tp_size]
+    if bad:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} does not divide {', '.join(bad)} of {config.name}; "
+            f"use one of {valid_tp_sizes(config)}"
+        )
+    launch = torchrun_env()
+    if launch is not None and launch.world_size != tp_size:
+        raise ValueError(
+            f"torchrun started {launch.world_size} processes but --tensor-parallel-size is "
+            f"{tp_size}: they must be equal (one process per rank)"
+        )
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        per_machine = launch.local_world_size if launch is not None else tp_size
+        if per_machine > visible:
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} needs {per_machine} CUDA devices on this "
+                f"machine but {visible} are visible; lower it, make more GPUs visible "
+                "(CUDA_VISIBLE_DEVICES), or spread the ranks over machines with torchrun"
+            )
+    if launch is None and dist.is_initialized():
+        raise ValueError(
+            "torch.distributed is already initialized in this process (another tensor-parallel "
+            "engine?); shut that engine down first (LLMEngine.shutdown())"
+        )

@@ -1,0 +1,243 @@
+"""One tensor-parallel rank: its shard of the model, its heads' KV cache, and the worker loop.
+
+Every rank, the driver included, builds a :class:`RankRunner` (a `ModelRunner` over its shard,
+whose KV cache holds its share of the KV heads). Ranks > 0 then run :func:`serve`: receive the
+driver's message for each step over the CPU group and execute it (block swaps and copies, the
+forward pass with its collectives), until the driver says stop. They never sample: the logits
+are gathered on the driver.
+
+Workers start in one of two ways:
+
+* spawned by the driver (`--tensor-parallel-size N` on one machine): :func:`spawned_worker_main`;
+* by `torchrun`, on one or several machines: every process runs the same command; the
+  `pagedkv` command line turns ranks > 0 into workers (:func:`run_torchrun_worker`), or run
+  `python -m pagedkv.engine.distributed.worker <engine options>` on those ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.distributed.parallel_state import (
+    ParallelContext,
+    check_tensor_parallel,
+    rank_device,
+    rank_model_config,
+    torchrun_env,
+)
+from pagedkv.engine.model_loader import load_model
+from pagedkv.engine.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Messages from the driver, over the CPU group: (CALL, method, args, kwargs) makes the same
+# call on this rank's runner as on the driver's, for the methods in FORWARDED; (STOP,) ends.
+CALL = "call"
+STOP = "stop"
+FORWARDED = frozenset({"execute", "apply_block_ops"})
+JOINED_KEY = "pagedkv/worker_joined/{rank}"
+
+
+class RankRunner(ModelRunner):
+    """A `ModelRunner` over one rank's shard. Its KV cache has the same number of blocks on
+    every rank: the smallest number that fits on any of them."""
+
+    def __init__(self, ctx: ParallelContext, *args: Any, **kwargs: Any) -> None:
+        self.ctx = ctx
+        super().__init__(*args, **kwargs)
+
+    def _num_blocks_that_fit(self) -> int:
+        return self.ctx.min_int(super()._num_blocks_that_fit())
+
+
+def build_rank_runner(
+    ctx: ParallelContext, model_config: ModelConfig, args: EngineArgs
+) -> RankRunner:
+    """Load this rank's shard and size its KV cache (collective: every rank calls it)."""
+    model = load_model(
+        model_config,
+        load_format=args.load_format,
+        device=ctx.device,
+        dtype=model_config.dtype,
+        seed=args.seed,
+        tp=ctx.tp,
+    )
+    runner = RankRunner(
+        ctx, rank_model_config(model_config, ctx.world_size), args, ctx.device, model=model
+    )
+    for what, n in (("KV", runner.num_gpu_blocks), ("swap", runner.num_cpu_blocks)):
+        low, high = ctx.min_int(n), ctx.max_int(n)
+        if low != high:
+            raise RuntimeError(
+                f"tensor-parallel ranks disagree on the number of {what} blocks ({low} to {high}); "
+                "this is a bug: please report it"
+            )
+    return runner
+
+
+def serve(ctx: ParallelContext, runner: ModelRunner) -> None:
+    """Execute the driver's steps until it says stop."""
+    steps = 0
+    while True:
+        msg = ctx.broadcast_object()
+        kind = msg[0]
+        if kind == CALL and msg[1] in FORWARDED:
+            getattr(runner, msg[1])(*msg[2], **msg[3])
+            steps += msg[1] == "execute"
+        elif kind == STOP:
+            logger.info("rank %d: the driver stopped the engine after %d steps", ctx.rank, steps)
+            return
+        else:
+            raise RuntimeError(f"rank {ctx.rank}: unknown message {kind!r} from the driver")
+
+
+def _setup_logging(rank: int, level: int) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def spawned_worker_main(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    device_type: str,
+    model_config: ModelConfig,
+    args: EngineArgs,
+    log_level: int,
+    num_threads: int,
+) -> None:
+    """Entry point of a worker spawned by the driver (a `multiprocessing` spawn target).
+
+    Exits with code 0 when the driver stops the engine, 1 on any error (logged). Ctrl-C is
+    left to the driver, which stops the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _setup_logging(rank, log_level)
+    _exit_with_parent(rank)
+    torch.set_num_threads(max(1, num_threads))
+    ctx = None
+    try:
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=args.distributed_timeout)
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        store.set(JOINED_KEY.format(rank=rank), "1")
+        device = rank_device(torch.device(device_type), rank)
+        ctx = ParallelContext.init(
+            rank, world_size, device, timeout_s=args.distributed_timeout, store=store
+        )
+        serve(ctx, build_rank_runner(ctx, model_config, args))
+    except BaseException:
+        logger.exception("tensor-parallel worker rank %d failed", rank)
+        sys.exit(1)
+    finally:
+        if ctx is not None:
+            ctx.destroy()
+
+
+def _exit_with_parent(rank: int) -> None:
+    """Exit when the driver process is gone, even while blocked in a collective that would
+    otherwise wait for its timeout (the driver killed by SIGKILL, say)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        logger.error("tensor-parallel worker rank %d: the driver process exited; exiting", rank)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedkv-tp-parent-watch", daemon=True).start()
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device an `EngineArgs.device` means (as `LLMEngine` resolves it)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is available; use --device cpu")
+    return torch.device(name)
+
+
+def run_torchrun_worker(args: EngineArgs, model_config: ModelConfig | None = None) -> int:
+    """Serve as the worker of a rank > 0 started by `torchrun` (rank 0 runs the engine with the
+    same engine options) until rank 0 stops. Returns the exit code."""
+    launch = torchrun_env()
+    if launch is None or launch.rank == 0:
+        raise ValueError(
+            "run_torchrun_worker is for ranks > 0 of a torchrun launch (RANK and WORLD_SIZE unset "
+            "or RANK=0); rank 0 runs the engine itself"
+        )
+    device = resolve_device(args.device)
+    if model_config is None:
+        model_config = ModelConfig.from_model(
+            args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            load_format=args.load_format,
+            device=device,
+        )
+    check_tensor_parallel(model_config, args.tensor_parallel_size, device)
+    ctx = ParallelContext.init(
+        launch.rank,
+        launch.world_size,
+        rank_device(device, launch.local_rank),
+        timeout_s=args.distributed_timeout,
+        init_method="env://",
+    )
+    try:
+        serve(ctx, build_rank_runner(ctx, model_config, args))
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def run_torchrun_worker_cli(ns: argparse.Namespace) -> int:
+    """`pagedkv ...` on a torchrun rank > 0: serve as a worker with the command's engine
+    options instead of running the command."""
+    launch = torchrun_env()
+    logger.info(
+        "torchrun rank %s of %s: serving as a tensor-parallel worker of rank 0",
+        launch.rank if launch else "?",
+        launch.world_size if launch else "?",
+    )
+    try:
+        return run_torchrun_worker(EngineArgs.from_cli_args(ns))
+    except ValueError as exc:
+        print(f"pagedkv worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedkv.engine.distributed.worker <engine options>` on torchrun ranks > 0."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedkv.engine.distributed.worker",
+        description="a tensor-parallel worker for torchrun ranks > 0 (rank 0 runs the engine "
+        "with the same engine options)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    launch = torchrun_env()
+    _setup_logging(
+        launch.rank if launch else 0, getattr(logging, ns.log_level.upper(), logging.INFO)
+    )
+    return run_torchrun_worker_cli(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
