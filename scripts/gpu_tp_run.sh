@@ -6,7 +6,8 @@
 # Logs and JSON go under $OUT; $OUT/tensor_parallel.json gathers the figures
 # (docs/performance/tensor_parallel.json). Run from the repository root:
 #
-#   bash scripts/gpu_tp_run.sh [all|tests|llama8b|llama70b|assemble] ...   (several parts allowed)
+#   bash scripts/gpu_tp_run.sh [all|tests|llama8b|llama8b-tp1|llama8b-tp2|llama70b|assemble] ...
+# (several parts allowed; BENCH_EXTRA adds options to every bench run)
 #
 # The parts fit in separate calls when one call is capped (10 minutes; the default timeouts
 # keep each of these two calls under 9.5 minutes even when every part runs to its limit):
@@ -55,6 +56,8 @@ bench() {
   local cmd=(python3 -m pagedkv.engine.cli bench throughput --model "$model" --tensor-parallel-size "$tp"
              --load-format dummy --dtype bfloat16 --workload sharegpt --num-prompts "$NUM_PROMPTS"
              --output-json "$OUT/$name.json")
+  # shellcheck disable=SC2206
+  cmd+=(${BENCH_EXTRA:-})
   echo "== $name: ${cmd[*]}" | tee "$OUT/$name.log"
   local start=$SECONDS
   timeout -k 20 "$limit" "${cmd[@]}" >>"$OUT/$name.log" 2>&1
@@ -63,8 +66,10 @@ bench() {
   echo "${cmd[*]}" > "$OUT/$name.cmd"
   grep -iE "engine ready|tensor parallelism over|KV cache:|output_tok_s|Traceback|error" "$OUT/$name.log" | tail -8
 }
-if want llama8b; then
+if want llama8b || want llama8b-tp1; then
   bench llama8b_tp1 meta-llama/Meta-Llama-3-8B 1 "$BENCH8_TIMEOUT"
+fi
+if want llama8b || want llama8b-tp2; then
   bench llama8b_tp2 meta-llama/Meta-Llama-3-8B 2 "$BENCH8_TIMEOUT"
 fi
 if want llama70b; then

@@ -11,6 +11,7 @@ torch code below (see ``pagedattn_kernels.fused_ops``); on CPU the torch code ru
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,11 @@ def fused_kernels_enabled(device: torch.device) -> bool:
     The same switch as the attention kernels' (``PAGEDATTN_BACKEND``): on CUDA by default; on
     CPU only with ``PAGEDATTN_BACKEND=triton`` (Triton's interpreter: slow, for tests), since
     the torch code is the fast path there; ``PAGEDATTN_BACKEND=torch`` runs the unfused torch
-    code on a GPU too (the baseline to compare against).
+    code on a GPU too (the baseline to compare against). ``PAGEDKV_FUSED_OPS=0`` turns off
+    only these elementwise kernels and keeps the Triton attention.
     """
+    if os.environ.get("PAGEDKV_FUSED_OPS", "1") == "0":
+        return False
     return pagedattn_kernels.resolve_backend(device, None) == "triton"
 
 

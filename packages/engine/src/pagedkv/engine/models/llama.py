@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.engine.attention import Attention, AttentionMetadata
