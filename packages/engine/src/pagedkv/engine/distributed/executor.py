@@ -311,6 +311,15 @@ class TensorParallelRunner:
         """Rank 0's shard of the model."""
         return self.local.model
 
+    @property
+    def step_log(self) -> list | None:
+        """Rank 0's per-pass log for benchmarks (every rank runs the same passes)."""
+        return self.local.step_log
+
+    @step_log.setter
+    def step_log(self, value: list | None) -> None:
+        self.local.step_log = value
+
     # ---- one step --------------------------------------------------------------------------
     # Both calls take whatever `ModelRunner`'s take: the arguments travel to every rank as they
     # are and each rank makes the same call on its own runner.
