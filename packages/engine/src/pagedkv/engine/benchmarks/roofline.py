@@ -69,7 +69,10 @@ class ModelCost:
     attn_flops_per_pair: int  # QK^T and PV for one (query, key) pair, all layers and heads
 
     @classmethod
-    def of(cls, model: torch.nn.Module, model_config: Any, kv_bytes_per_token: int) -> ModelCost:
+    def of(cls, model: torch.nn.Module, model_config: Any, kv_bytes_per_token: int,
+           tensor_parallel_size: int = 1) -> ModelCost:
+        """Costs for one GPU: `model` is that GPU's shard (its own parameters), and with tensor
+        parallelism each GPU holds and attends over 1/N of the heads."""
         embed = lm_head = 0
         total = 0
         itemsize = 2
@@ -81,7 +84,7 @@ class ModelCost:
             elif "lm_head" in name:
                 lm_head += p.numel()
         tied = lm_head == 0
-        lm_head = lm_head or model_config.hidden_size * model_config.vocab_size
+        lm_head = lm_head or model_config.hidden_size * model_config.vocab_size // tensor_parallel_size
         # A tied LM head reads the embedding table once per pass as its output matrix.
         weight_bytes = (total - embed + (lm_head if tied else 0)) * itemsize
         c = model_config
@@ -89,8 +92,8 @@ class ModelCost:
             weight_bytes=weight_bytes,
             matmul_params=total - embed - (0 if tied else lm_head),
             lm_head_params=lm_head,
-            kv_bytes_per_token=kv_bytes_per_token,
-            attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim,
+            kv_bytes_per_token=kv_bytes_per_token // tensor_parallel_size,
+            attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim // tensor_parallel_size,
         )
 
     def pass_bound(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,

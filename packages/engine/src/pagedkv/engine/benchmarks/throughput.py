@@ -295,7 +295,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
         from pagedkv.engine.benchmarks.roofline import ModelCost, measure_hardware, roofline_report
 
         hw = measure_hardware(engine.device, mc.dtype)
-        cost = ModelCost.of(engine.runner.model, mc, mc.kv_bytes_per_token())
+        cost = ModelCost.of(engine.runner.model, mc, mc.kv_bytes_per_token(),
+                            engine.args.tensor_parallel_size)
         result.update(roofline_report(cost, hw, run.passes, run.step_seconds, secs))
 
     print_table(rows, ["system", "requests", "seconds", "requests_per_s", "output_tok_s"])
