@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from types import MappingProxyType
@@ -164,13 +165,26 @@ class ParallelContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return int(t.item())
 
-    def destroy(self) -> None:
-        """Leave the groups (this process may then start another tensor-parallel engine)."""
-        if dist.is_initialized():
+    def destroy(self, timeout_s: float = 10.0) -> None:
+        """Leave the groups (this process may then start another tensor-parallel engine).
+
+        NCCL's teardown can block when a peer has already exited (on the H200 machine a driver
+        lingered about a minute after its run), so it runs in a daemon thread that is waited
+        for `timeout_s` at most: a stuck teardown is logged and never keeps the process alive."""
+        if not dist.is_initialized():
+            return
+
+        def leave() -> None:
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # a peer may be gone already
                 logger.debug("destroy_process_group: %s", exc)
+
+        thread = threading.Thread(target=leave, name="pagedkv-tp-teardown", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("leaving the process groups did not finish in %.0f s; going on", timeout_s)
 
 
 def rank_model_config(config: ModelConfig, tp_size: int) -> ModelConfig:
