@@ -23,6 +23,7 @@ PAGES = [
     "installing.html",
     "architecture.html",
     "cli.html",
+    "tensor-parallel.html",
     "packages/kvblocks.html",
     "packages/pagedattn-kernels.html",
     "packages/scheduler.html",
