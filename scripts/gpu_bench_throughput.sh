@@ -12,6 +12,9 @@
 # MAX_NUM_SEQS, RUN_TIMEOUT, EXTRA (more bench options, e.g. --profile).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
+# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
+export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -5,6 +5,9 @@
 #   bash scripts/gpu_run.sh [tests|kernels|engine|all]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
+# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
+export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 mkdir -p "$OUT"
 what="${1:-all}"

@@ -9,7 +9,10 @@
 #     (scripts/gpu_tp_run.sh), and the assembled tensor_parallel.json.
 # Every log is packed into $OUT/logs.tar.gz (the machine returns at most 8 files).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
+# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
+export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 mkdir -p "$OUT/logs"
 if ls .whl/*.whl >/dev/null 2>&1; then

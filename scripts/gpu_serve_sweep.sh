@@ -13,6 +13,9 @@
 # left); the JSON and the plot are rewritten after each rate, so a cut run keeps what it measured.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
+# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
+export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
 start_s=$SECONDS
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 PYTHON="${PYTHON:-python3}"

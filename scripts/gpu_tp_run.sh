@@ -18,6 +18,9 @@
 # NUM_PROMPTS (default 1000) and the *_TIMEOUT variables override the defaults below.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
+# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
+export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
 # The machine needs these in every process (the engine also sets them for its workers).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"

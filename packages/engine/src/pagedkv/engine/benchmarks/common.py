@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -11,6 +12,10 @@ from typing import Any
 
 
 def git_commit() -> str:
+    """The checkout's commit; `PAGEDKV_COMMIT` wins (a copied working tree, such as the GPU
+    machine's, can carry a stale .git)."""
+    if os.environ.get("PAGEDKV_COMMIT"):
+        return os.environ["PAGEDKV_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
