@@ -50,4 +50,6 @@ def test_roofline_report_fractions(llama8b) -> None:
     assert report["roofline_frac"] == pytest.approx(0.5)
     assert report["decode_passes"] == 2
     assert report["decode_roofline_frac"] == pytest.approx(0.5)
+    assert report["mixed_passes"] == 1 and report["mixed_seconds"] == pytest.approx(steps[0])
+    assert report["decode_seconds"] + report["mixed_seconds"] == pytest.approx(sum(steps))
     assert report["hbm_gb_s"] == pytest.approx(4000)
