@@ -373,6 +373,12 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
               f"step {result.get('decode_step_ms', 0):.2f} ms vs bound "
               f"{result.get('decode_step_bound_ms', 0):.2f} ms "
               f"(HBM {result['hbm_gb_s']:.0f} GB/s, matmul {result['matmul_tflop_s']:.0f} TFLOP/s)")
+        for kind in ("decode", "mixed"):
+            if f"{kind}_passes" in result:
+                print(f"  {kind} passes: {result[f'{kind}_passes']}, {result[f'{kind}_seconds']:.1f} s, "
+                      f"median {result[f'{kind}_step_ms']:.2f} ms vs bound "
+                      f"{result[f'{kind}_step_bound_ms']:.2f} ms "
+                      f"({result[f'{kind}_roofline_frac']:.0%} of the bound)")
     _save(args, result)
     print_json_line(result)
     return 0
