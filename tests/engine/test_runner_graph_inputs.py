@@ -89,3 +89,34 @@ def test_graph_inputs_give_the_eager_logits(runner: ModelRunner) -> None:
     assert runner._graph_for(len(step2)) == 4
     eager, graph = _both_paths(runner, step2, [0, 2])
     torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_batch_splits_decodes_from_prefills(runner: ModelRunner, backend, monkeypatch) -> None:
+    """A batch of decodes followed by prompt chunks gives the logits of the two run apart:
+    the decodes through the flash-decoding kernel, the chunks through the prefill kernel."""
+    monkeypatch.setenv("PAGEDATTN_BACKEND", backend)
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = random.Random(1)
+    blocks = list(range(runner.num_gpu_blocks))
+    rng.shuffle(blocks)
+    graphs, runner._graphs = runner._graphs, {}
+    try:
+        tables, at = [], 0
+        for _ in range(5):
+            tables.append(blocks[at : at + 8])
+            at += 8
+        prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 17, 4, 30, 12)]
+        runner.execute([(p, 0, t) for p, t in zip(prompts[:3], tables)], [])
+        decodes = [([rng.randrange(3, 1000)], len(p), t) for p, t in zip(prompts[:3], tables)]
+        chunks = [(prompts[3][:20], 0, tables[3]), (prompts[4], 0, tables[4])]
+        inputs = runner._build_inputs(decodes + chunks, [0])
+        assert inputs.meta.num_decode_seqs == 3
+        before = runner.kv_cache.clone()
+        mixed = runner.execute(decodes + chunks, [0, 1, 2, 3, 4])
+        runner.kv_cache.copy_(before)
+        apart = torch.cat([runner.execute(decodes, [0, 1, 2]), runner.execute(chunks, [0, 1])])
+        torch.testing.assert_close(mixed, apart, rtol=0, atol=1e-4)
+    finally:
+        runner._graphs = graphs

@@ -34,6 +34,11 @@ class AttentionMetadata:
     max_query_len: int  # host-side hint, avoids a device sync
     max_seq_len: int  # host-side hint, avoids a device sync
     decode_only: bool  # every sequence has exactly one query token
+    # In a mixed batch, the first `num_decode_seqs` sequences have one query token each: they
+    # go to the flash-decoding kernel, the rest (cu_query_lens rebased: `prefill_cu_query_lens`)
+    # to the prefill kernel, whose query tiles would be mostly empty for single tokens.
+    num_decode_seqs: int = 0
+    prefill_cu_query_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -85,6 +90,31 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 scale=self.scale,
                 max_seq_len=meta.max_seq_len,
+            )
+        elif meta.num_decode_seqs:
+            nd = meta.num_decode_seqs
+            out = torch.empty_like(query)
+            pagedattn_kernels.paged_decode_attention(
+                query[:nd],
+                key_cache,
+                value_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                scale=self.scale,
+                max_seq_len=meta.max_seq_len,
+                out=out[:nd],
+            )
+            pagedattn_kernels.paged_attention(
+                query[nd:],
+                key_cache,
+                value_cache,
+                meta.block_tables[nd:],
+                meta.seq_lens[nd:],
+                meta.prefill_cu_query_lens,
+                scale=self.scale,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+                out=out[nd:],
             )
         else:
             out = pagedattn_kernels.paged_attention(

@@ -287,6 +287,10 @@ class ModelRunner:
         slots = block_tables.long()[seq_idx, positions // bs] * bs + positions % bs
         sample_rows = (cu[1:].long() - 1)[torch.tensor(sample_seq_indices, dtype=torch.long)]
         max_q = max(qlens)
+        num_decode = 0  # leading single-token sequences (running decodes come first)
+        if max_q > 1:
+            while qlens[num_decode] == 1:
+                num_decode += 1
         if self.step_log is not None:
             pairs = sum(q * s + q * (q + 1) // 2 for q, s in zip(qlens, starts))
             self.step_log.append((total, num_seqs, sum(starts) + total, pairs))
@@ -298,6 +302,9 @@ class ModelRunner:
             max_query_len=max_q,
             max_seq_len=int(seq_lens.max()),
             decode_only=max_q == 1,
+            num_decode_seqs=num_decode,
+            prefill_cu_query_lens=(cu[num_decode:] - num_decode).to(dev, non_blocking=True)
+            if num_decode else None,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
