@@ -9,7 +9,8 @@
 # static batches and its continuous batching on the first HF_N of the same requests, then the
 # roofline. Results: $OUT/throughput_<run>.json and .log. Models are the bundled shapes with
 # random bf16 weights (`--load-format dummy`). Tunables: NUM_PROMPTS, HF_N, HF_BS (batch sizes),
-# MAX_NUM_SEQS, RUN_TIMEOUT, EXTRA (more bench options, e.g. --profile).
+# MAX_NUM_SEQS, RUN_TIMEOUT, HF_TIME_LIMIT (seconds per transformers static-batch trial, whose
+# rate is then measured on the tokens made so far), EXTRA (more bench options, e.g. --profile).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
@@ -31,7 +32,7 @@ runs=("$@")
 
 common=(--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-batched-tokens 8192
         --max-num-seqs "$MAX_NUM_SEQS" --num-prompts "$NUM_PROMPTS" --workload-seed 0
-        --baseline hf --baseline hf-cb)
+        --baseline hf --baseline hf-cb --hf-time-limit "${HF_TIME_LIMIT:-90}")
 for run in "${runs[@]}"; do
   case "$run" in
     llama-*) model=meta-llama/Meta-Llama-3-8B ;;

@@ -65,6 +65,21 @@ def test_bench_throughput_against_transformers(capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_throughput_transformers_time_limit(capsys):
+    """A time-limited transformers trial counts the tokens it made (each request's only up to
+    its own length) over the time it ran, and says it was cut."""
+    rc = main(["bench", "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len",
+               "48", "--baseline", "hf", "--hf-batch-sizes", "2", "--hf-time-limit", "0.05",
+               *SMALL])
+    assert rc == 0
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["hf_best_stopped_at_time_limit"] is True
+    assert last["hf_best_output_tok_s"] > 0
+    assert "hf generate (batch 2), time limit" in out
+
+
+@pytest.mark.slow
 def test_bench_sharing_reports_savings(capsys):
     rc = main(["bench", "sharing", "--widths", "2", "--max-tokens", "12", *SMALL])
     assert rc == 0
