@@ -555,7 +555,7 @@ def test_gpu_tp2_dummy_bf16_runs_with_cuda_graphs(checkpoints):
     """bf16 dummy weights with CUDA graphs, the benchmark setting. Split sums round differently
     in bf16 and dummy logits are flat, so tokens are not compared, only that it runs through."""
     requests = [(p, _greedy(8)) for p in PROMPTS]
-    kw = dict(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.3)
+    kw = dict(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_seqs=16)
     _, got = _tp1_vs_tp2(checkpoints["llama-gqa-bias"], requests, device="cuda", **kw)
     assert all(len(t[0]) == 8 for t in got["tokens"])
 
