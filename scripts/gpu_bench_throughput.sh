@@ -12,18 +12,9 @@
 # MAX_NUM_SEQS, RUN_TIMEOUT, HF_TIME_LIMIT (seconds per transformers static-batch trial, whose
 # rate is then measured on the tokens made so far), EXTRA (more bench options, e.g. --profile).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
-# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
-export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-src=""
-for p in kvblocks pagedattn-kernels scheduler engine server; do src="$src:$PWD/packages/$p/src"; done
-export PYTHONPATH="/tmp/site$src"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
 
 NUM_PROMPTS="${NUM_PROMPTS:-1000}"
 MAX_NUM_SEQS="${MAX_NUM_SEQS:-512}"

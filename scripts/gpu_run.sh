@@ -4,19 +4,10 @@
 # Logs and JSON results go under $OUT. Run from the repository root:
 #   bash scripts/gpu_run.sh [tests|kernels|engine|all]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
-# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
-export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 mkdir -p "$OUT"
 what="${1:-all}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-src=""
-for p in kvblocks pagedattn-kernels scheduler engine server; do src="$src:$PWD/packages/$p/src"; done
-export PYTHONPATH="/tmp/site$src"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'

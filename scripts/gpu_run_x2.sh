@@ -9,18 +9,9 @@
 #     (scripts/gpu_tp_run.sh), and the assembled tensor_parallel.json.
 # Every log is packed into $OUT/logs.tar.gz (the machine returns at most 8 files).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
-# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
-export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 mkdir -p "$OUT/logs"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-src=""
-for p in kvblocks pagedattn-kernels scheduler engine server; do src="$src:$PWD/packages/$p/src"; done
-export PYTHONPATH="/tmp/site$src"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
 pack() { tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs; }
 trap pack EXIT
 

@@ -12,10 +12,6 @@
 # The whole script stops itself within BUDGET_S seconds (the sweep gets what the server's start
 # left); the JSON and the plot are rewritten after each rate, so a cut run keeps what it measured.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
-# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
-export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
 start_s=$SECONDS
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 PYTHON="${PYTHON:-python3}"
@@ -38,12 +34,7 @@ BUDGET_S="${BUDGET_S:-570}"             # the device's command limit is 600 s
 NAME="${NAME:-serve_sweep_llama3_8b}"
 mkdir -p "$OUT"
 
-if [[ "${SKIP_WHEELS:-0}" != 1 ]] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-src=""
-for p in kvblocks pagedattn-kernels scheduler engine server; do src="$src:$PWD/packages/$p/src"; done
-export PYTHONPATH="/tmp/site$src${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 || true
   "$PYTHON" -c 'import sys, torch, fastapi, uvicorn, pydantic; print("python", sys.version.split()[0], "torch", torch.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "pydantic", pydantic.__version__)'

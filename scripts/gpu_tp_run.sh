@@ -17,12 +17,6 @@
 #               <call 1 files> <call 2 files>
 # NUM_PROMPTS (default 1000) and the *_TIMEOUT variables override the defaults below.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-# The commit of the tree: the copy on the GPU machine may carry a stale .git, so the caller
-# writes it first (`git rev-parse --short HEAD > .gpu_commit`, carried with the call).
-export PAGEDKV_COMMIT="${PAGEDKV_COMMIT:-$(cat .gpu_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}"
-# The machine needs these in every process (the engine also sets them for its workers).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 mkdir -p "$OUT"
 NUM_PROMPTS="${NUM_PROMPTS:-1000}"
@@ -33,12 +27,7 @@ parts=("$@")
 [[ ${#parts[@]} -eq 0 ]] && parts=(all)
 want() { local p; for p in "${parts[@]}"; do [[ "$p" == all || "$p" == "$1" ]] && return 0; done; return 1; }
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-src=""
-for p in kvblocks pagedattn-kernels scheduler engine server; do src="$src:$PWD/packages/$p/src"; done
-export PYTHONPATH="/tmp/site$src"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   nvidia-smi topo -m 2>/dev/null | head -5
