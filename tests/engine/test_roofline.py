@@ -53,3 +53,19 @@ def test_roofline_report_fractions(llama8b) -> None:
     assert report["mixed_passes"] == 1 and report["mixed_seconds"] == pytest.approx(steps[0])
     assert report["decode_seconds"] + report["mixed_seconds"] == pytest.approx(sum(steps))
     assert report["hbm_gb_s"] == pytest.approx(4000)
+
+
+def test_roofline_report_splits_gpu_busy_from_host_wait(llama8b) -> None:
+    _, cost = llama8b
+    hw = Hardware(bandwidth=4e12, matmul_flops=800e12)
+    passes = [(1000, 2, 1000, 500_000), (2, 2, 1002, 1002), (2, 2, 1004, 1004)]
+    steps = [0.050, 0.010, 0.012]
+    gpu = [0.040, 0.006, 0.007]
+    report = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps), gpu_seconds=gpu)
+    assert report["decode_gpu_ms"] == pytest.approx(6.5)
+    assert report["decode_host_gap_ms"] == pytest.approx(4.5)
+    assert report["decode_gpu_seconds"] == pytest.approx(0.013)
+    assert report["mixed_host_gap_ms"] == pytest.approx(10.0)
+    # Spans that do not line up with the passes (a CPU run has none) are ignored, not misread.
+    short = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps), gpu_seconds=gpu[:2])
+    assert "decode_gpu_ms" not in short

@@ -62,6 +62,10 @@ class ModelRunner:
         # (tokens, sequences, KV tokens attended, query-key pairs) per forward pass, when a
         # benchmark asks for it (`step_log = []`): the roofline of a run is computed from these.
         self.step_log: list[tuple[int, int, int, int]] | None = None
+        # With `step_log` on a GPU: the device time of each pass, from its first kernel to its
+        # logits (CUDA events, read after the run). The step's wall time minus this is the time
+        # the GPU waited for the host.
+        self.step_gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
         # A caller may hand in an already loaded model (tests build several engines over one).
         self.model = model if model is not None else load_model(
@@ -240,6 +244,7 @@ class ModelRunner:
         width = self._pack_tables(tables, self._g_table_stage)
         self._g_tables[:n, :width].copy_(self._g_table_stage[:n, :width], non_blocking=True)
         graph, hidden = self._graphs[b]
+        self._begin_span()
         graph.replay()
         return hidden[:n]
 
@@ -253,6 +258,18 @@ class ModelRunner:
         view = out[: len(tables), :width]
         view[self._table_cols[:width] < lens[:, None]] = flat
         return width
+
+    def _begin_span(self) -> None:
+        if self.step_log is not None and self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._span_start = start
+
+    def _end_span(self) -> None:
+        if self.step_log is not None and self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.step_gpu_events.append((self._span_start, end))
 
     # ---- one step -------------------------------------------------------------------------
     def _build_inputs(
@@ -346,9 +363,15 @@ class ModelRunner:
             if b is not None:
                 hidden = self._replay_decode(seqs, b)
                 rows = torch.tensor(sample_seq_indices, dtype=torch.long).to(self.device, non_blocking=True)
-                return self.model.compute_logits(hidden[rows])
+                logits = self.model.compute_logits(hidden[rows])
+                self._end_span()
+                return logits
         inputs = self._build_inputs(seqs, sample_seq_indices)
+        self._begin_span()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not sample_seq_indices:
-            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            logits = hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        else:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        self._end_span()
+        return logits

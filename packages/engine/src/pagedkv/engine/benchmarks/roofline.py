@@ -107,26 +107,34 @@ class ModelCost:
 
 
 def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, int, int]],
-                    step_seconds: list[float], wall_seconds: float) -> dict[str, Any]:
+                    step_seconds: list[float], wall_seconds: float,
+                    gpu_seconds: list[float] | None = None) -> dict[str, Any]:
     """`passes[i]` = (tokens, seqs, kv_tokens, pairs) of step i and `step_seconds[i]` its
-    measured time (host work included). Returns the run's roofline fraction and the typical
-    decode pass: its bound and its measured time."""
+    measured time (host work included); `gpu_seconds[i]`, when given, its device time. Returns
+    the run's roofline fraction and the typical decode pass: its bound and its measured time,
+    and how much of that time the GPU was busy."""
     bounds = [cost.pass_bound(hw, *p) for p in passes]
-    decode = [(b, t) for b, t, p in zip(bounds, step_seconds, passes) if p[0] == p[1]]
+    gpu = gpu_seconds if gpu_seconds and len(gpu_seconds) == len(passes) else None
     out: dict[str, Any] = {
         "roofline_frac": sum(bounds) / wall_seconds if wall_seconds > 0 else 0.0,
         "roofline_bound_s": sum(bounds),
         "forward_passes": len(passes),
         **hw.as_dict(),
     }
-    mixed = [(b, t) for b, t, p in zip(bounds, step_seconds, passes) if p[0] != p[1]]
     # Decode-only passes (CUDA graphs) and passes holding prompt tokens (eager), apart: where
     # the time goes between the two says what to speed up next.
-    for kind, items in (("decode", decode), ("mixed", mixed)):
-        if items:
-            out[f"{kind}_passes"] = len(items)
-            out[f"{kind}_seconds"] = sum(t for _, t in items)
-            out[f"{kind}_step_bound_ms"] = median(b for b, _ in items) * 1e3
-            out[f"{kind}_step_ms"] = median(t for _, t in items) * 1e3
-            out[f"{kind}_roofline_frac"] = sum(b for b, _ in items) / sum(t for _, t in items)
+    for kind, is_kind in (("decode", lambda p: p[0] == p[1]), ("mixed", lambda p: p[0] != p[1])):
+        idx = [i for i, p in enumerate(passes) if is_kind(p)]
+        if not idx:
+            continue
+        times = [step_seconds[i] for i in idx]
+        out[f"{kind}_passes"] = len(idx)
+        out[f"{kind}_seconds"] = sum(times)
+        out[f"{kind}_step_bound_ms"] = median(bounds[i] for i in idx) * 1e3
+        out[f"{kind}_step_ms"] = median(times) * 1e3
+        out[f"{kind}_roofline_frac"] = sum(bounds[i] for i in idx) / sum(times)
+        if gpu is not None:
+            out[f"{kind}_gpu_ms"] = median(gpu[i] for i in idx) * 1e3
+            out[f"{kind}_host_gap_ms"] = median(step_seconds[i] - gpu[i] for i in idx) * 1e3
+            out[f"{kind}_gpu_seconds"] = sum(gpu[i] for i in idx)
     return out

@@ -320,6 +320,11 @@ class TensorParallelRunner:
     def step_log(self, value: list | None) -> None:
         self.local.step_log = value
 
+    @property
+    def step_gpu_events(self) -> list:
+        """Rank 0's device time per pass (see `ModelRunner.step_gpu_events`)."""
+        return self.local.step_gpu_events
+
     # ---- one step --------------------------------------------------------------------------
     # Both calls take whatever `ModelRunner`'s take: the arguments travel to every rank as they
     # are and each rank makes the same call on its own runner.
