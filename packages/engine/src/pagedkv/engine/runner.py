@@ -198,6 +198,14 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %s), %.2f GB",
                     len(sizes), sizes, (torch.cuda.memory_allocated(dev) - start) / _GB)
 
+    def release_graphs(self) -> None:
+        """Drop the captured graphs and wait for the GPU. Tensor-parallel ranks do this before
+        leaving their process groups: NCCL does not finish tearing down a communicator while
+        graphs that captured its collectives are alive."""
+        self._graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _alloc_graph_inputs(self, top: int) -> None:
         """Static device inputs of the decode graphs (`top` rows) and their pinned host
         staging buffers."""

@@ -28,6 +28,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,6 +95,7 @@ class _Workers:
     def __init__(self) -> None:
         self.procs: dict[int, Any] = {}  # rank -> multiprocessing.Process
         self.ctx: ParallelContext | None = None
+        self.release_graphs: Callable[[], None] | None = None  # the driver's runner's
         self.failure: tuple[int, int | None, int | None] | None = None  # rank, pid, exit code
         self.stopping = threading.Event()
         self.closed = False
@@ -209,6 +211,11 @@ class _Workers:
         if graceful and ctx is not None and self.failure is None:
             try:
                 ctx.broadcast_object((STOP,))
+                # Every rank leaves the groups at the same time: NCCL's teardown waits for the
+                # peers, so the driver must not first wait for the workers to exit.
+                if self.release_graphs is not None:
+                    self.release_graphs()
+                ctx.destroy()
             except Exception as exc:
                 logger.warning("could not send the stop message to the workers: %s", exc)
         deadline = time.monotonic() + (_JOIN_TIMEOUT if graceful else 0.0)
@@ -273,6 +280,7 @@ class TensorParallelRunner:
             self._workers.ctx = ctx
             self.ctx = ctx
             self.local = build_rank_runner(ctx, model_config, args)
+            self._workers.release_graphs = self.local.release_graphs
         except BaseException as exc:
             self._workers.wait_for_failure(2.0)
             failure = self._workers.describe_failure()

@@ -21,6 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -107,6 +108,7 @@ class ParallelContext:
     device: torch.device
     timeout_s: float
     cpu_group: Any
+    _left: bool = False  # destroy() was called
 
     @property
     def tp(self) -> TPInfo:
@@ -167,24 +169,38 @@ class ParallelContext:
 
     def destroy(self, timeout_s: float = 10.0) -> None:
         """Leave the groups (this process may then start another tensor-parallel engine).
+        Idempotent.
 
-        NCCL's teardown can block when a peer has already exited (on the H200 machine a driver
-        lingered about a minute after its run), so it runs in a daemon thread that is waited
-        for `timeout_s` at most: a stuck teardown is logged and never keeps the process alive."""
-        if not dist.is_initialized():
+        Every rank should call this at about the same time: NCCL's teardown waits for its
+        peers. It runs in a daemon thread waited for `timeout_s` at most, so a stuck teardown
+        (a peer already gone) never keeps the process alive; the communicators are then
+        aborted instead, which does not wait for anyone."""
+        if self._left or not dist.is_initialized():
             return
+        self._left = True
+        if _bounded(dist.destroy_process_group, timeout_s):
+            return
+        logger.warning("leaving the process groups did not finish in %.0f s; aborting them",
+                       timeout_s)
+        from torch.distributed.distributed_c10d import _abort_process_group
 
-        def leave() -> None:
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # a peer may be gone already
-                logger.debug("destroy_process_group: %s", exc)
+        if not _bounded(_abort_process_group, 5.0):
+            logger.warning("aborting the process groups did not finish in 5 s; going on")
 
-        thread = threading.Thread(target=leave, name="pagedkv-tp-teardown", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            logger.warning("leaving the process groups did not finish in %.0f s; going on", timeout_s)
+
+def _bounded(fn: Callable[[], None], timeout_s: float) -> bool:
+    """Run ``fn`` in a daemon thread; True when it returned (or raised) within ``timeout_s``."""
+
+    def call() -> None:
+        try:
+            fn()
+        except Exception as exc:  # a peer may be gone already
+            logger.debug("%s: %s", getattr(fn, "__name__", fn), exc)
+
+    thread = threading.Thread(target=call, name="pagedkv-tp-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
 
 
 def rank_model_config(config: ModelConfig, tp_size: int) -> ModelConfig:

@@ -98,6 +98,7 @@ def serve(ctx: ParallelContext, runner: ModelRunner) -> None:
             steps += msg[1] == "execute"
         elif kind == STOP:
             logger.info("rank %d: the driver stopped the engine after %d steps", ctx.rank, steps)
+            runner.release_graphs()
             return
         else:
             raise RuntimeError(f"rank {ctx.rank}: unknown message {kind!r} from the driver")
