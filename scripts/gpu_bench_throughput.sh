@@ -9,7 +9,7 @@
 # static batches and its continuous batching on the first HF_N of the same requests, then the
 # roofline. Results: $OUT/throughput_<run>.json and .log. Models are the bundled shapes with
 # random bf16 weights (`--load-format dummy`). Tunables: NUM_PROMPTS, HF_N, HF_BS (batch sizes),
-# MAX_NUM_SEQS, RUN_TIMEOUT, HF_TIME_LIMIT (seconds per transformers static-batch trial, whose
+# MAX_NUM_SEQS, MAX_BATCHED (tokens per pass), RUN_TIMEOUT, HF_TIME_LIMIT (seconds per transformers static-batch trial, whose
 # rate is then measured on the tokens made so far), EXTRA (more bench options, e.g. --profile).
 set -uo pipefail
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
@@ -17,11 +17,13 @@ mkdir -p "$OUT"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
 
 NUM_PROMPTS="${NUM_PROMPTS:-1000}"
-MAX_NUM_SEQS="${MAX_NUM_SEQS:-512}"
+# vLLM's defaults for offline runs on GPUs of 70+ GB (H100, H200): 1,024 sequences, 16,384 tokens
+MAX_NUM_SEQS="${MAX_NUM_SEQS:-1024}"
+MAX_BATCHED="${MAX_BATCHED:-16384}"
 runs=("$@")
 [[ ${#runs[@]} -eq 0 ]] && runs=(llama-sharegpt llama-alpaca llama-fixed opt-sharegpt)
 
-common=(--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-batched-tokens 8192
+common=(--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-batched-tokens "$MAX_BATCHED"
         --max-num-seqs "$MAX_NUM_SEQS" --num-prompts "$NUM_PROMPTS" --workload-seed 0
         --baseline hf --baseline hf-cb --hf-time-limit "${HF_TIME_LIMIT:-90}")
 for run in "${runs[@]}"; do

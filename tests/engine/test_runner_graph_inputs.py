@@ -120,3 +120,18 @@ def test_mixed_batch_splits_decodes_from_prefills(runner: ModelRunner, backend, 
         torch.testing.assert_close(mixed, apart, rtol=0, atol=1e-4)
     finally:
         runner._graphs = graphs
+
+
+@pytest.mark.parametrize("max_num_seqs, expected_top, expected_len",
+                         [(16, 16, 5), (100, 100, 11), (512, 512, 36), (1000, 1000, 44),
+                          (1024, 1024, 44), (4096, 1024, 44)])
+def test_graph_batch_sizes_cover_every_batch(max_num_seqs, expected_top, expected_len) -> None:
+    r = ModelRunner.__new__(ModelRunner)  # only the sizing rule is under test
+    r.args = EngineArgs(model="unused", max_num_seqs=max_num_seqs)
+    sizes = r.graph_batch_sizes()
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == expected_top
+    assert len(sizes) == expected_len
+    # Every batch up to the top has a graph that wastes at most an eighth of it (past 8).
+    for n in range(9, expected_top + 1):
+        b = min(s for s in sizes if s >= n)
+        assert b - n <= max(15, n // 8)
