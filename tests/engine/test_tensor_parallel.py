@@ -179,8 +179,15 @@ def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple
     try:
         got = _run(engine, requests)
     finally:
+        start = time.monotonic()
         engine.shutdown()
-    assert not multiprocessing.active_children(), "workers left running after shutdown"
+        took = time.monotonic() - start
+    left = multiprocessing.active_children()
+    if left:  # say whether they were stuck or only slow to exit, then fail
+        for p in left:
+            p.join(15)
+        detail = [(p.name, p.pid, p.exitcode) for p in left]
+        pytest.fail(f"workers left running after shutdown ({took:.1f} s): {detail}")
     assert not dist.is_initialized()
     return ref, got
 

@@ -59,7 +59,7 @@ def _round(v, like_ptr, ROUND: tl.constexpr):
         return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def rms_norm_kernel(
     out_ptr,
     residual_out_ptr,
@@ -109,7 +109,7 @@ def rms_norm_kernel(
     tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def silu_and_mul_kernel(
     out_ptr,
     x_ptr,
@@ -172,7 +172,7 @@ def _rotate_heads(
     tl.store(lo + HALF, out2.to(ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def rotary_kernel(
     q_ptr,
     k_ptr,

@@ -22,6 +22,10 @@ itself was imported, and the wrong kind cannot be called. Reductions go through
 in numpy (the functions themselves are never called there). Small helpers are written inline:
 the interpreter re-patches ``triton.language`` at every jit-function call, which costs
 milliseconds each time.
+
+Integer arguments that change from call to call (sequence counts, partition sizes) are marked
+``do_not_specialize``: Triton would otherwise compile a variant for each of "1", "a multiple of
+16" and "other", and a serving run would stall mid-pass for each first occurrence.
 """
 
 from __future__ import annotations
@@ -166,7 +170,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size"])
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -275,7 +279,7 @@ def decode_kernel(
         tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "num_splits"])
 def decode_reduce_kernel(
     out_ptr,
     part_out_ptr,
@@ -332,7 +336,7 @@ def decode_reduce_kernel(
     tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def prefill_kernel(
     out_ptr,
     q_ptr,

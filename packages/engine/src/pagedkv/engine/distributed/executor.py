@@ -229,6 +229,9 @@ class _Workers:
             if proc.is_alive():
                 proc.kill()
                 proc.join(_KILL_TIMEOUT)
+            if proc.is_alive():
+                logger.warning("tensor-parallel worker %s (pid %d) is still exiting", proc.name,
+                               proc.pid)
         if ctx is not None:
             if self.failure is not None:
                 self._unblock_driver()
