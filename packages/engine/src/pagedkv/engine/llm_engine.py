@@ -17,6 +17,7 @@ checked in `prepare_request`, before anything is queued, so a bad request raises
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -152,6 +153,14 @@ class LLMEngine:
         # callers only the finished ones, and building the rest costs a copy of every live
         # sequence's tokens per step.
         self.emit_partial_outputs = True
+        if self.device.type == "cuda":
+            # A full collection of Python's cyclic GC walks every tracked object: after loading
+            # torch, transformers and a model that is hundreds of thousands, and a step stalls
+            # for up to hundreds of milliseconds while the GPU waits. What is alive now lives as
+            # long as the engine, so it is frozen out of collections (as vLLM does); objects
+            # that requests create are still collected.
+            gc.collect()
+            gc.freeze()
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens",
                     mc.name, self.device, self.runner.num_gpu_blocks, args.block_size)
 
