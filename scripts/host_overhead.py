@@ -82,7 +82,8 @@ class _NoReplay:
 def build_engine(folder: Path, max_num_seqs: int, eager: bool) -> LLMEngine:
     args = EngineArgs(
         model=str(folder), load_format="dummy", device="cpu", skip_tokenizer_init=True,
-        max_num_seqs=max_num_seqs, block_size=16, num_gpu_blocks_override=32768,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, block_size=16,
+        num_gpu_blocks_override=32768,
         num_cpu_blocks_override=0, swap_space=0.0, seed=0,
     )
     engine = LLMEngine(args)
@@ -110,6 +111,8 @@ class _Timers:
         self._wrap(engine.runner, "apply_block_ops", "block_ops")
         self._wrap(engine.runner, "execute", "execute")
         self._wrap(engine, "_sample", "sample")
+        if hasattr(engine, "_sample_argmax"):  # newer code: the argmax path has its own method
+            self._wrap(engine, "_sample_argmax", "sample")
         self._wrap(engine.scheduler, "update", "update")
 
     def _wrap(self, obj, name: str, part: str) -> None:
@@ -141,8 +144,8 @@ def measure(num_seqs: int, context: int, steps: int, rounds: int, eager: bool, p
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     total = steps * rounds
-    params = SamplingParams(max_tokens=total + 64, temperature=0.0, ignore_eos=True,
-                            detokenize=False)
+    # None finishes while timed: the batch stays the same 512 (or 256) sequences.
+    params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True, detokenize=False)
     # Prompts of varied lengths (so that sequences cross block boundaries on different steps,
     # as in a real run), centred so that the timed steps see contexts of about `context`.
     first = max(context - total // 2, 41)
