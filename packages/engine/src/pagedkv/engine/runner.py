@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -214,10 +215,13 @@ class ModelRunner:
         fits = [b for b in self._graphs if b >= num_seqs]
         return min(fits) if fits else None
 
-    def _replay_decode(self, seqs: list[tuple[list[int], int, list[int]]], b: int) -> torch.Tensor:
-        n = len(seqs)
+    def _replay_decode(
+        self, toks: Sequence[list[int]], pos: Sequence[int], tables: Sequence[list[int]], b: int,
+    ) -> torch.Tensor:
+        """Replay the decode graph of `b` rows on one token per sequence: `toks`, `pos` and
+        `tables` are the columns of `execute`'s `seqs`."""
+        n = len(toks)
         bs = self.block_size
-        toks, pos, tables = zip(*seqs)
         ids = [t[0] for t in toks]
         slots = [t[p // bs] * bs + p % bs for p, t in zip(pos, tables)]
         if self.step_log is not None:
@@ -246,7 +250,7 @@ class ModelRunner:
         """Write ragged block tables into the rows of `out` (left-aligned; the tail of each row
         is left as is, since no kernel reads past a sequence's length). One host tensor for
         all of them instead of one per row. Returns the width used."""
-        lens = torch.tensor([len(t) for t in tables], dtype=torch.long)
+        lens = host_tensor(list(map(len, tables)))
         width = int(lens.max())
         flat = host_tensor(list(chain.from_iterable(tables)), torch.int32)
         view = out[: len(tables), :width]
@@ -340,10 +344,11 @@ class ModelRunner:
         sample_seq_indices: list[int],
     ) -> torch.Tensor:
         """Run one forward pass; return float32 logits [len(sample_seq_indices), vocab]."""
-        if self._graphs and all(len(toks) == 1 for toks, _, _ in seqs):
-            b = self._graph_for(len(seqs))
+        if self._graphs and seqs:
+            toks, pos, tables = zip(*seqs)
+            b = self._graph_for(len(seqs)) if max(map(len, toks)) == 1 else None
             if b is not None:
-                hidden = self._replay_decode(seqs, b)
+                hidden = self._replay_decode(toks, pos, tables, b)
                 if sample_seq_indices == list(range(len(seqs))):
                     return self.model.compute_logits(hidden)  # every row samples: no gather
                 rows = host_tensor(sample_seq_indices).to(self.device, non_blocking=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from itertools import compress
+from operator import ne
 
 import torch
 
@@ -55,21 +57,22 @@ class StagedTables:
     def update(self, tables: Sequence[list[int]]) -> int:
         """Make rows `[0, len(tables))` hold `tables`; returns the longest table's length."""
         n = len(tables)
+        tables = list(tables)
         lists = self._lists
-        if any(t is not lists[i] for i, t in enumerate(tables)):
+        # List comparisons run in C and compare items by identity first: cheap when unchanged.
+        if tables != lists[:n]:
             self._move_rows(tables)
         staged = self._staged
         width = self.buf.shape[1]
         index: list[int] = []
         values: list[int] = []
-        for i, t in enumerate(tables):
-            old = staged[i]
-            if t != old:
-                j = _common_prefix(old, t)
-                base = i * width
-                index.extend(range(base + j, base + len(t)))
-                values.extend(t[j:])
-                staged[i] = t.copy()
+        for i in compress(range(n), map(ne, tables, staged)):  # the rows that changed
+            t = tables[i]
+            j = _common_prefix(staged[i], t)
+            base = i * width
+            index.extend(range(base + j, base + len(t)))
+            values.extend(t[j:])
+            staged[i] = t.copy()
         if index:
             self.buf.view(-1)[host_tensor(index)] = host_tensor(values, self.buf.dtype)
         lists[:n] = tables
