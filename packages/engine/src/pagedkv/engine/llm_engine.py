@@ -359,7 +359,10 @@ class LLMEngine:
             argmax_only = self._argmax_only(sched, sample_idx)
             self.runner.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
             logits = self.runner.execute(
-                [(ss.token_ids, ss.start, ss.block_table) for ss in sched], sample_idx
+                # ss.token_ids, inlined: a property call per sequence costs as much as the slice
+                [(ss.all_token_ids[ss.start : ss.start + ss.num_tokens], ss.start, ss.block_table)
+                 for ss in sched],
+                sample_idx,
             )
             if argmax_only:
                 samples, fed = self._sample_argmax(sched, sample_idx, logits)
