@@ -148,6 +148,9 @@ class LLMEngine:
         self._primary_eos = tok_eos if tok_eos in mc.eos_token_ids else (
             self.eos_token_ids[0] if self.eos_token_ids else None)
         self._requests: dict[str, _RequestState] = {}
+        # Live requests that need more than an argmax (sampling, logprobs, beams...): while there
+        # are none, a batch takes the argmax path without looking at each of its requests.
+        self._num_not_argmax = 0
         self._fatal: TensorParallelError | None = None  # set when a tensor-parallel rank died
         # Streaming callers want every request's cumulative output after each step; offline
         # callers only the finished ones, and building the rest costs a copy of every live
@@ -296,6 +299,14 @@ class LLMEngine:
         if p.use_beam_search:
             st.beam = BeamSearch.from_params(p, self.eos_token_ids, max_tokens=prep.max_tokens)
         self._requests[request_id] = st
+        self._num_not_argmax += not prep.argmax_only
+
+    def _pop_request(self, request_id: str) -> _RequestState | None:
+        """Forget a finished request (None when it is not known)."""
+        st = self._requests.pop(request_id, None)
+        if st is not None:
+            self._num_not_argmax -= not st.prep.argmax_only
+        return st
 
     def _new_seq_state(self, prep: PreparedRequest, index: int) -> _SeqState:
         p = prep.internal_params
@@ -340,7 +351,7 @@ class LLMEngine:
         now = time.time()
         results: list[RequestOutput] = []
         for g in out.finished:  # rejected, aborted, or ended for lack of memory
-            st = self._requests.pop(g.request_id, None)
+            st = self._pop_request(g.request_id)
             if st is not None:
                 st.metrics.finished_time = now
                 results.append(self._final_output(st))
@@ -348,14 +359,24 @@ class LLMEngine:
             return results
 
         sched = out.scheduled
-        sample_idx = [k for k, ss in enumerate(sched) if ss.do_sample]
+        if out.num_samples == len(sched):
+            sample_idx = list(range(len(sched)))
+        else:
+            sample_idx = [k for k, ss in enumerate(sched) if ss.do_sample]
         touched: dict[str, _RequestState] = {}
         try:
+            argmax_only = self._argmax_only(sched, sample_idx)
             self.runner.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
             logits = self.runner.execute(
-                [(ss.token_ids, ss.start, ss.block_table) for ss in sched], sample_idx
+                # ss.token_ids, inlined: a property call per sequence costs as much as the slice
+                [(ss.all_token_ids[ss.start : ss.start + ss.num_tokens], ss.start, ss.block_table)
+                 for ss in sched],
+                sample_idx,
             )
-            samples, pending, beam_done = self._sample(out, sample_idx, logits, touched)
+            if argmax_only:
+                samples, fed = self._sample_argmax(sched, sample_idx, logits)
+            else:
+                samples, pending, beam_done = self._sample(out, sample_idx, logits, touched)
         except TensorParallelError as exc:
             self._fatal = exc  # a tensor-parallel rank died: the engine cannot go on
             raise
@@ -367,15 +388,11 @@ class LLMEngine:
                 self.scheduler.abort(rid)
             self.scheduler.update(out, {})
             return results
-        for ss in sched:
-            st = self._requests[ss.request_id]
-            if st.metrics.first_scheduled_time is None:
-                st.metrics.first_scheduled_time = now
-                st.metrics.time_in_queue = now - st.metrics.arrival_time
-        for name, _mode in out.preempted:
-            st = self._requests.get(name)
-            if st is not None:
-                st.metrics.num_preemptions += 1
+        self._note_scheduled(out, now)
+        if argmax_only:
+            self.scheduler.update(out, samples)
+            self._after_argmax_update(fed, time.time(), results)
+            return results
 
         owner = {sched[k].seq_id: touched[sched[k].request_id] for k in sample_idx}
         result = self.scheduler.update(out, samples)
@@ -416,11 +433,7 @@ class LLMEngine:
             if sst.logprobs is not None and lp is not None and st.prep.params.logprobs is not None:
                 sst.logprobs.append(lp.to_dict())
             if sst.detok is not None:
-                sst.detok.add_tokens([tok])
-                seq = self._seq(st, seq_id)
-                if seq is not None and not seq.is_finished and isinstance(sst.detok.stop_reason, str):
-                    seq.stop_reason = sst.detok.stop_reason
-                    self.scheduler.finish_sequence(seq_id, FinishReason.STOP)
+                self._detokenize(seq_id, sst, tok)
         for rid in beam_done:
             st = self._requests.get(rid)
             if st is not None:
@@ -432,11 +445,55 @@ class LLMEngine:
                 st.metrics.finished_time = now
                 if st.beam is not None and not st.beam.done:
                     st.beam.finish(self._live_beams(st))
-                self._requests.pop(rid, None)
+                self._pop_request(rid)
                 results.append(self._final_output(st))
             elif st.beam is None and self.emit_partial_outputs:
                 results.append(self._output(st, finished=False))
         return results
+
+    def _note_scheduled(self, out, now: float) -> None:
+        """Queue time of the requests scheduled for the first time, preemption counts."""
+        requests = self._requests
+        for ss in out.scheduled:
+            # A request's first chunk computes (part of) its prompt: plain decodes are skipped.
+            if ss.is_prefill:
+                m = requests[ss.request_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+                    m.time_in_queue = now - m.arrival_time
+        for name, _mode in out.preempted:
+            st = requests.get(name)
+            if st is not None:
+                st.metrics.num_preemptions += 1
+
+    def _detokenize(self, seq_id: int, sst: _SeqState, tok: int) -> None:
+        """Feed a new token to the sequence's detokenizer; a stop string ends the sequence."""
+        sst.detok.add_tokens([tok])
+        if isinstance(sst.detok.stop_reason, str):
+            seq = self.scheduler.get_sequence(seq_id)  # None once finished
+            if seq is not None:
+                seq.stop_reason = sst.detok.stop_reason
+                self.scheduler.finish_sequence(seq_id, FinishReason.STOP)
+
+    def _after_argmax_update(self, fed, now: float, results: list[RequestOutput]) -> None:
+        """What `step` does after `update` for an argmax-only batch, in one pass: token times,
+        detokenization and stop strings, outputs. `fed`: (request, sequence id, token) per
+        sampled sequence; an argmax-only request has one sequence, which never forks."""
+        emit = self.emit_partial_outputs
+        for st, seq_id, tok in fed:
+            m = st.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            sst = st.seqs[seq_id]
+            if sst.detok is not None:
+                self._detokenize(seq_id, sst, tok)
+            if st.group.is_finished:
+                m.finished_time = now
+                self._pop_request(st.request_id)
+                results.append(self._final_output(st))
+            elif emit:
+                results.append(self._output(st, finished=False))
 
     def _seq(self, st: _RequestState, seq_id: int):
         for s in st.group.seqs:
@@ -451,21 +508,31 @@ class LLMEngine:
         return [Beam(s.seq_id, s.token_ids[s.prompt_len:], st.seqs[s.seq_id].cum_logprob)
                 for s in st.group.seqs]
 
+    def _argmax_only(self, sched, sample_idx: list[int]) -> bool:
+        """Whether every sampling sequence of the batch is plain greedy (see PreparedRequest)."""
+        if self._num_not_argmax == 0:
+            return True
+        requests = self._requests
+        return all(requests[sched[k].request_id].prep.argmax_only for k in sample_idx)
+
+    def _sample_argmax(self, sched, sample_idx, logits):
+        """The throughput path: one argmax on the device, one copy of the ids to the host.
+        Returns (samples for scheduler.update, (request, sequence id, token) per sequence)."""
+        requests = self._requests
+        samples: dict[int, list[int]] = {}
+        fed = []
+        for k, tok in zip(sample_idx, logits.argmax(dim=-1).tolist()):
+            ss = sched[k]
+            samples[ss.seq_id] = [tok]
+            fed.append((requests[ss.request_id], ss.seq_id, tok))
+        return samples, fed
+
     def _sample(self, out, sample_idx, logits, touched):
         """Sample every row; returns (samples for scheduler.update, per-sequence pending
         (token, logprobs, new cumulative logprob or None), requests whose beam search ended)."""
         sched, seqs = out.scheduled, out.seqs
         samples: dict[int, list[int]] = {}
         pending: dict[int, list] = {}
-        requests = self._requests
-        if all(requests[sched[k].request_id].prep.argmax_only for k in sample_idx):
-            # The throughput path: one argmax on the device, one copy of the ids to the host.
-            for k, tok in zip(sample_idx, logits.argmax(dim=-1).tolist()):
-                ss = sched[k]
-                touched[ss.request_id] = requests[ss.request_id]
-                samples[ss.seq_id] = [tok]
-                pending[ss.seq_id] = [(tok, None, None)]
-            return samples, pending, []
         rows: list[SamplingRow] = []
         for k in sample_idx:
             ss, seq = sched[k], seqs[k]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -24,6 +25,7 @@ from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.attention import AttentionMetadata
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.model_loader import load_model
+from pagedkv.engine.staging import StagedTables, host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -222,30 +224,30 @@ class ModelRunner:
         self._g_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self._g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self._g_stage = torch.zeros((3, top), dtype=torch.long, pin_memory=pin)
-        self._g_table_stage = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32,
-                                          pin_memory=pin)
+        self._g_table_stage = StagedTables(
+            torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin))
 
     def _graph_for(self, num_seqs: int) -> int | None:
         fits = [b for b in self._graphs if b >= num_seqs]
         return min(fits) if fits else None
 
-    def _replay_decode(self, seqs: list[tuple[list[int], int, list[int]]], b: int) -> torch.Tensor:
-        n = len(seqs)
+    def _replay_decode(
+        self, toks: Sequence[list[int]], pos: Sequence[int], tables: Sequence[list[int]], b: int,
+    ) -> torch.Tensor:
+        """Replay the decode graph of `b` rows on one token per sequence: `toks`, `pos` and
+        `tables` are the columns of `execute`'s `seqs`."""
+        n = len(toks)
         bs = self.block_size
-        ids = [toks[0] for toks, _, _ in seqs]
-        pos = [start for _, start, _ in seqs]
-        tables = [t for _, _, t in seqs]
+        ids = [t[0] for t in toks]
         slots = [t[p // bs] * bs + p % bs for p, t in zip(pos, tables)]
         if self.step_log is not None:
             kv = sum(pos) + n
             self.step_log.append((n, n, kv, kv))
-        # One pinned staging row per input, one copy each; the copies are ordered before the
-        # replay on the same stream, and the buffers are rewritten only after the sampler has
-        # synchronised on this step's tokens.
+        # One pinned staging row per input, filled from one host tensor, one copy each; the
+        # copies are ordered before the replay on the same stream, and the buffers are
+        # rewritten only after the sampler has synchronised on this step's tokens.
         stage = self._g_stage
-        stage[0, :n] = torch.tensor(ids, dtype=torch.long)
-        stage[1, :n] = torch.tensor(pos, dtype=torch.long)
-        stage[2, :n] = torch.tensor(slots, dtype=torch.long)
+        stage[:, :n] = host_tensor(ids + list(pos) + slots, torch.long).view(3, n)
         self._g_ids[:n].copy_(stage[0, :n], non_blocking=True)
         self._g_pos[:n].copy_(stage[1, :n], non_blocking=True)
         self._g_slots[:n].copy_(stage[2, :n], non_blocking=True)
@@ -253,8 +255,9 @@ class ModelRunner:
         self._g_lens[:n].copy_(self._g_pos[:n])
         self._g_lens[:n] += 1
         self._g_lens[n:b].zero_()
-        width = self._pack_tables(tables, self._g_table_stage)
-        self._g_tables[:n, :width].copy_(self._g_table_stage[:n, :width], non_blocking=True)
+        table_stage = self._g_table_stage
+        width = table_stage.update(tables)
+        self._g_tables[:n, :width].copy_(table_stage.buf[:n, :width], non_blocking=True)
         graph, hidden = self._graphs[b]
         self._begin_span()
         graph.replay()
@@ -264,9 +267,9 @@ class ModelRunner:
         """Write ragged block tables into the rows of `out` (left-aligned; the tail of each row
         is left as is, since no kernel reads past a sequence's length). One host tensor for
         all of them instead of one per row. Returns the width used."""
-        lens = torch.tensor([len(t) for t in tables], dtype=torch.long)
+        lens = host_tensor(list(map(len, tables)))
         width = int(lens.max())
-        flat = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.int32)
+        flat = host_tensor(list(chain.from_iterable(tables)), torch.int32)
         view = out[: len(tables), :width]
         view[self._table_cols[:width] < lens[:, None]] = flat
         return width
@@ -303,10 +306,10 @@ class ModelRunner:
             width = max(width, len(table))
         dev = self.device
         num_seqs = len(seqs)
-        qlens_t = torch.tensor(qlens, dtype=torch.int32)
+        qlens_t = host_tensor(qlens, torch.int32)
         cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
         torch.cumsum(qlens_t, 0, out=cu[1:])
-        starts_t = torch.tensor(starts, dtype=torch.int32)
+        starts_t = host_tensor(starts, torch.int32)
         seq_lens = starts_t + qlens_t
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), qlens_t.long())
         total = len(ids)
@@ -314,7 +317,7 @@ class ModelRunner:
         block_tables = torch.zeros((num_seqs, width), dtype=torch.int32)
         self._pack_tables([table for _, _, table in seqs], block_tables)
         slots = block_tables.long()[seq_idx, positions // bs] * bs + positions % bs
-        sample_rows = (cu[1:].long() - 1)[torch.tensor(sample_seq_indices, dtype=torch.long)]
+        sample_rows = (cu[1:].long() - 1)[host_tensor(sample_seq_indices)]
         max_q = max(qlens)
         num_decode = 0  # leading single-token sequences (running decodes come first)
         if max_q > 1:
@@ -336,7 +339,7 @@ class ModelRunner:
             if num_decode else None,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            input_ids=host_tensor(ids).to(dev, non_blocking=True),
             positions=positions.to(dev, non_blocking=True),
             meta=meta,
             sample_rows=sample_rows.to(dev, non_blocking=True),
@@ -370,12 +373,15 @@ class ModelRunner:
         sample_seq_indices: list[int],
     ) -> torch.Tensor:
         """Run one forward pass; return float32 logits [len(sample_seq_indices), vocab]."""
-        if self._graphs and all(len(toks) == 1 for toks, _, _ in seqs):
-            b = self._graph_for(len(seqs))
+        if self._graphs and seqs:
+            toks, pos, tables = zip(*seqs)
+            b = self._graph_for(len(seqs)) if max(map(len, toks)) == 1 else None
             if b is not None:
-                hidden = self._replay_decode(seqs, b)
-                rows = torch.tensor(sample_seq_indices, dtype=torch.long).to(self.device, non_blocking=True)
-                logits = self.model.compute_logits(hidden[rows])
+                hidden = self._replay_decode(toks, pos, tables, b)
+                if sample_seq_indices != list(range(len(seqs))):  # else every row samples
+                    rows = host_tensor(sample_seq_indices).to(self.device, non_blocking=True)
+                    hidden = hidden[rows]
+                logits = self.model.compute_logits(hidden)
                 self._end_span()
                 return logits
         inputs = self._build_inputs(seqs, sample_seq_indices)

@@ -646,18 +646,15 @@ class Scheduler:
         if not isinstance(samples, Mapping):
             raise ValueError(f"samples must be a mapping seq_id -> token ids, got {samples!r}")
         sched = output.scheduled
-        seqs = output.seqs
-        n_sched = len(sched)
 
-        # ---- validate everything first
+        # ---- validate everything first, and list the running sequences with their tokens
+        todo: list[tuple[Sequence, SequenceABC[int]]] = []
         matched = 0
         growth: dict[int, tuple[SequenceGroup, int]] | None = None
-        for k in range(n_sched):
-            ss = sched[k]
+        for ss, s in zip(sched, output.seqs):
             if not ss.do_sample:
                 continue
             toks = samples.get(ss.seq_id)
-            s = seqs[k]
             if toks is None:
                 if s.status is _RUNNING:
                     raise ValueError(
@@ -689,6 +686,7 @@ class Scheduler:
                     )
                 if tok < 0:
                     raise ValueError(f"samples[{ss.seq_id}] holds a negative token id {tok}")
+            todo.append((s, toks))
         if matched != len(samples):
             expected = {ss.seq_id for ss in sched if ss.do_sample}
             extra = sorted(k for k in samples if k not in expected)
@@ -711,14 +709,7 @@ class Scheduler:
         append_ids = bm.append_token_ids
         max_len = self._max_len
         generated = 0
-        for k in range(n_sched):
-            ss = sched[k]
-            if not ss.do_sample:
-                continue
-            s = seqs[k]
-            if s.status is not _RUNNING:
-                continue
-            toks = samples[ss.seq_id]
+        for s, toks in todo:  # each step below changes s (and its forks) only
             n = len(toks)
             if n == 1:
                 tok = toks[0]
