@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 import weakref
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch

@@ -19,9 +19,9 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
