@@ -81,6 +81,16 @@ def _configs() -> dict[str, Any]:
         bos_token_id=1,
         eos_token_id=2,
     )
+    opt = dict(
+        vocab_size=256,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return {
         # odd vocabulary: the last rank's vocabulary slice is padded; every projection has a bias
         "llama-gqa-bias": tf.LlamaConfig(
@@ -88,29 +98,8 @@ def _configs() -> dict[str, Any]:
         ),
         "llama-gqa-tied": tf.LlamaConfig(vocab_size=256, tie_word_embeddings=True, **llama),
         # OPT-350m's layout: LayerNorm after each block, a narrower word embedding projected
-        "opt-postnorm-proj": tf.OPTConfig(
-            vocab_size=256,
-            hidden_size=64,
-            ffn_dim=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=256,
-            do_layer_norm_before=False,
-            word_embed_proj_dim=32,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
-        "opt-prenorm": tf.OPTConfig(
-            vocab_size=256,
-            hidden_size=64,
-            ffn_dim=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=256,
-            do_layer_norm_before=True,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
+        "opt-postnorm-proj": tf.OPTConfig(do_layer_norm_before=False, word_embed_proj_dim=32, **opt),
+        "opt-prenorm": tf.OPTConfig(do_layer_norm_before=True, **opt),
     }
 
 

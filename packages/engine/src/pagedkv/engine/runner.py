@@ -69,6 +69,7 @@ class ModelRunner:
         # logits (CUDA events, read after the run). The step's wall time minus this is the time
         # the GPU waited for the host.
         self.step_gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._span_start: torch.cuda.Event | None = None
 
         # A caller may hand in an already loaded model (tests build several engines over one).
         self.model = model if model is not None else load_model(

@@ -217,7 +217,7 @@ class _Workers:
                     self.release_graphs()
                 ctx.destroy()
             except Exception as exc:
-                logger.warning("could not send the stop message to the workers: %s", exc)
+                logger.warning("could not stop the workers cleanly: %s", exc)
         deadline = time.monotonic() + (_JOIN_TIMEOUT if graceful else 0.0)
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
