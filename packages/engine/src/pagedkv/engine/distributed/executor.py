@@ -138,9 +138,13 @@ class _Workers:
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
                 rank = pending.pop(sentinel)
+                if self.stopping.is_set() or self.failure is not None:
+                    # close() reaps the workers: two threads waiting on one child race, and
+                    # the loser may see it as still running.
+                    continue
                 proc = self.procs[rank]
                 proc.join(1.0)
-                if self.stopping.is_set() or self.failure is not None:
+                if self.stopping.is_set():
                     continue
                 self.failure = (rank, proc.pid, proc.exitcode)
                 logger.error("%s", self.describe_failure())
