@@ -66,6 +66,14 @@ def test_roofline_report_splits_gpu_busy_from_host_wait(llama8b) -> None:
     assert report["decode_host_gap_ms"] == pytest.approx(4.5)
     assert report["decode_gpu_seconds"] == pytest.approx(0.013)
     assert report["mixed_host_gap_ms"] == pytest.approx(10.0)
+    assert report["decode_host_gap_seconds"] == pytest.approx(0.009)
+    assert report["decode_max_step_ms"] == pytest.approx(12.0)
+    assert report["mixed_max_step_ms"] == pytest.approx(50.0)
+    by_batch = report["decode_host_gap_by_batch"]
+    assert list(by_batch) == ["1-64"]  # both decode passes have 2 sequences
+    assert by_batch["1-64"]["passes"] == 2
+    assert by_batch["1-64"]["host_gap_ms_mean"] == pytest.approx(4.5)
     # Spans that do not line up with the passes (a CPU run has none) are ignored, not misread.
     short = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps), gpu_seconds=gpu[:2])
     assert "decode_gpu_ms" not in short
+    assert "decode_host_gap_by_batch" not in short

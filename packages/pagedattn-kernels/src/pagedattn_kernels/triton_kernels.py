@@ -23,9 +23,12 @@ in numpy (the functions themselves are never called there). Small helpers are wr
 the interpreter re-patches ``triton.language`` at every jit-function call, which costs
 milliseconds each time.
 
-Integer arguments that change from call to call (sequence counts, partition sizes) are marked
-``do_not_specialize``: Triton would otherwise compile a variant for each of "1", "a multiple of
-16" and "other", and a serving run would stall mid-pass for each first occurrence.
+Arguments that change from call to call are marked ``do_not_specialize``: integers (sequence
+counts, partition sizes, the block-table width) and the per-batch metadata pointers (a mixed
+batch passes block tables and lengths sliced at its number of decode rows, which may leave them
+unaligned). Triton would otherwise compile a variant for each of "1", "a multiple of 16" and
+"other" integer, and for 16-byte aligned or unaligned pointers; a serving run stalled mid-pass
+for each first occurrence (about a second each on an H200).
 """
 
 from __future__ import annotations
@@ -170,7 +173,11 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["partition_size"])
+# per-batch metadata: never specialized on (see the module docstring)
+_BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq"]
+
+
+@triton.jit(do_not_specialize=["partition_size", *_BATCH_ARGS])
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -279,7 +286,7 @@ def decode_kernel(
         tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit(do_not_specialize=["partition_size", "num_splits"])
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "seq_lens_ptr"])
 def decode_reduce_kernel(
     out_ptr,
     part_out_ptr,
@@ -336,7 +343,7 @@ def decode_reduce_kernel(
     tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "cu_q_ptr", *_BATCH_ARGS])
 def prefill_kernel(
     out_ptr,
     q_ptr,

@@ -7,6 +7,8 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,32 @@ def environment() -> dict[str, Any]:
         except ImportError:
             pass
     return info
+
+
+@contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """The names of the Triton kernel variants compiled inside the block, in order. A compile
+    inside a timed run is a pass stalled for about a second: a benchmark reports these. Stays
+    empty without triton, or with a triton that has no compile hook (before 3.4)."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        previous = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        yield names
+        return
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(*args, **kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        runtime.jit_post_compile_hook = previous
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -133,8 +133,33 @@ def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, 
         out[f"{kind}_step_bound_ms"] = median(bounds[i] for i in idx) * 1e3
         out[f"{kind}_step_ms"] = median(times) * 1e3
         out[f"{kind}_roofline_frac"] = sum(bounds[i] for i in idx) / sum(times)
+        out[f"{kind}_max_step_ms"] = max(times) * 1e3
         if gpu is not None:
             out[f"{kind}_gpu_ms"] = median(gpu[i] for i in idx) * 1e3
             out[f"{kind}_host_gap_ms"] = median(step_seconds[i] - gpu[i] for i in idx) * 1e3
             out[f"{kind}_gpu_seconds"] = sum(gpu[i] for i in idx)
+            out[f"{kind}_host_gap_seconds"] = sum(step_seconds[i] - gpu[i] for i in idx)
+    if gpu is not None:
+        out["decode_host_gap_by_batch"] = _host_gap_by_batch(passes, step_seconds, gpu)
     return out
+
+
+# Decode batch sizes are grouped by these upper bounds for the host-gap table.
+_BATCH_BUCKETS = (64, 256, 512, 1024, 1 << 30)
+
+
+def _host_gap_by_batch(passes, step_seconds, gpu) -> dict[str, dict[str, float]]:
+    """Host wait of decode passes per batch-size bucket: where the host's per-sequence work
+    shows (it grows with the batch) against the fixed cost of a step."""
+    table: dict[str, dict[str, float]] = {}
+    low = 1
+    for high in _BATCH_BUCKETS:
+        idx = [i for i, p in enumerate(passes) if p[0] == p[1] and low <= p[1] <= high]
+        if idx:
+            gap = sum(step_seconds[i] - gpu[i] for i in idx)
+            label = f"{low}-{high}" if high < 1 << 30 else f"{low}+"
+            table[label] = {"passes": len(idx), "host_gap_s": gap,
+                            "host_gap_ms_mean": gap / len(idx) * 1e3,
+                            "gpu_ms_mean": sum(gpu[i] for i in idx) / len(idx) * 1e3}
+        low = high + 1
+    return table

@@ -18,7 +18,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.engine.benchmarks.common import environment, print_json_line, print_table
+from pagedkv.engine.benchmarks.common import (
+    environment,
+    print_json_line,
+    print_table,
+    triton_compiles,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +313,11 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
           f"{engine.runner.num_gpu_blocks} KV blocks; env {env}")
 
     run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up: kernels, allocator, graphs
-    run = run_pagedkv(engine, reqs, record=True)
+    with triton_compiles() as compiled:
+        run = run_pagedkv(engine, reqs, record=True)
+    if compiled:
+        logger.warning("Triton compiled %d kernel variants during the timed run: %s",
+                       len(compiled), ", ".join(compiled))
     if run.output_tokens != n_out:
         raise RuntimeError(f"pagedkv produced {run.output_tokens} tokens, expected {n_out}")
     secs = run.seconds
@@ -320,7 +329,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "workload": args.workload or ("dataset" if args.dataset else
                                                   f"fixed {args.input_len}/{args.output_len}"),
                     "num_gpu_blocks": engine.runner.num_gpu_blocks,
-                    "max_num_seqs": engine.args.max_num_seqs, "env": env}
+                    "max_num_seqs": engine.args.max_num_seqs,
+                    "triton_compiles_during_run": len(compiled), "env": env}
 
     if args.roofline if args.roofline is not None else cuda:
         if not cuda:
@@ -417,7 +427,12 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                       f"({result[f'{kind}_roofline_frac']:.0%} of the bound)"
                       + (f"; GPU busy {result[f'{kind}_gpu_ms']:.2f} ms, idle waiting for the "
                          f"host {result[f'{kind}_host_gap_ms']:.2f} ms"
-                         if f"{kind}_gpu_ms" in result else ""))
+                         if f"{kind}_gpu_ms" in result else "")
+                      + f"; slowest {result[f'{kind}_max_step_ms']:.1f} ms")
+        for bucket, row in result.get("decode_host_gap_by_batch", {}).items():
+            print(f"  decode batches of {bucket}: {row['passes']} passes, host wait "
+                  f"{row['host_gap_s']:.2f} s ({row['host_gap_ms_mean']:.2f} ms per pass, GPU "
+                  f"busy {row['gpu_ms_mean']:.2f} ms)")
     _save(args, result)
     print_json_line(result)
     return 0
