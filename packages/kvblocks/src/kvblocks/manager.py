@@ -310,12 +310,18 @@ class BlockManager:
             return False
         return self._blocks_needed(seq, num_new_slots) <= self.gpu_pool._num_free
 
-    def grow(self, seq_id: int, num_new_slots: int) -> tuple[tuple[int, int], ...]:
+    def grow(
+        self, seq_id: int, num_new_slots: int, pending: int = 0
+    ) -> tuple[tuple[int, int], ...]:
         """Reserve KV slots for positions ``[num_slots, num_slots + num_new_slots)``.
 
         A new block only when the last one is full; if the partly filled last block is shared it
         is copied on write: the sequence gets a new block and ``((src, dst),)`` is returned for
         the runner to copy; otherwise the shared empty tuple ``()``. All or nothing.
+
+        ``pending``: how many slots past the known tokens may be reserved, for tokens still
+        being sampled (asynchronous scheduling). Only without prefix caching, which hashes a
+        block's tokens when it fills.
         """
         # Fast path: the new slots fit in the partly filled last block, which this sequence
         # owns alone (``fast_left`` caches that fact, see BlockTable). No allocation.
@@ -325,21 +331,27 @@ class BlockManager:
             return self._grow(seq_id, num_new_slots)  # raises UnknownSequenceError
         if type(num_new_slots) is int and 0 < num_new_slots <= seq.fast_left:
             new = seq.num_slots + num_new_slots
-            if new <= len(seq.token_ids):
+            if new <= len(seq.token_ids) + (pending if self._cache is None else 0):
                 seq.num_slots = new
                 left = seq.fast_left - num_new_slots
                 seq.fast_left = left
                 if not left and self._cache is not None:  # the block just became full
                     self._cache.publish(seq, new >> self._shift)
                 return _NO_COPY
-        return self._grow(seq_id, num_new_slots)
+        return self._grow(seq_id, num_new_slots, pending)
 
-    def _grow(self, seq_id: int, n: int) -> tuple[tuple[int, int], ...]:
+    def _grow(self, seq_id: int, n: int, pending: int = 0) -> tuple[tuple[int, int], ...]:
         seq = self._get_gpu(seq_id, "grow()")
         self._check_count(n, "num_new_slots")
+        self._check_count(pending, "pending")
+        if pending and self._cache is not None:
+            raise ValueError(
+                "grow(pending=...) reserves slots for unknown tokens, which prefix caching "
+                "cannot hash; append_token_ids() first"
+            )
         old = seq.num_slots
         new = old + n
-        if new > len(seq.token_ids):
+        if new > len(seq.token_ids) + pending:
             raise ValueError(
                 f"sequence {seq_id!r}: cannot reserve slots up to position {new} with only "
                 f"{len(seq.token_ids)} known tokens (num_slots={old}); append_token_ids() first"

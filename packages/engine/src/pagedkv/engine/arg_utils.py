@@ -47,6 +47,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     num_cpu_blocks_override: int | None = None
     distributed_timeout: float = 300.0
+    # Overlap the host with the device for plain greedy batches (None: on for one CUDA GPU).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +126,9 @@ class EngineArgs:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model over")
         g.add_argument("--distributed-timeout", type=float, default=d["distributed_timeout"].default,
                        help="seconds a tensor-parallel collective may wait for a rank before the engine stops")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule and launch step N+1 before step N's tokens reach the host "
+                            "(plain greedy batches; default: on with one CUDA GPU)")
         g.add_argument("--device", choices=_DEVICES, default="auto", help="where to run (auto: CUDA if present)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of KV blocks (tests and experiments)")

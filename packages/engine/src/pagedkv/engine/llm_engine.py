@@ -9,6 +9,12 @@ step():
   -> RequestOutput per request touched  # text detokenized incrementally, stop strings cut
 ```
 
+With asynchronous scheduling (on by default on one GPU; `--async-scheduling`) a step of
+plain greedy requests overlaps the host with the device: it builds and launches step N+1
+(`scheduler.schedule_ahead`, input tokens read on the device from step N's argmax) before it
+waits for step N's tokens and applies them. Any other request, a lack of free blocks or swapped
+requests make the engine finish the step in flight and run the plain loop above.
+
 The engine keeps, per sequence, what the scheduler does not need: the incremental
 detokenizer, the seeded generator, log-probabilities. Everything a user can get wrong is
 checked in `prepare_request`, before anything is queued, so a bad request raises
@@ -31,6 +37,7 @@ from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, detokenize
 from pagedkv.engine.distributed.executor import TensorParallelError, make_runner
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.engine.runner import ModelRunner, PendingTokens
 from pagedkv.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -98,6 +105,18 @@ class _SeqState:
 
 
 @dataclass(slots=True)
+class _InFlight:
+    """A launched step whose tokens are not applied yet (asynchronous scheduling)."""
+
+    out: object  # pagedkv.scheduler.SchedulerOutput
+    sample_idx: list[int]
+    tokens: torch.Tensor  # argmax per sampled row, on the device
+    host: torch.Tensor  # where they are copied (pinned on a GPU)
+    ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: already there)
+    rows: dict[int, int]  # seq_id -> row of `tokens`
+
+
+@dataclass(slots=True)
 class _RequestState:
     request_id: str
     prep: PreparedRequest
@@ -156,6 +175,16 @@ class LLMEngine:
         # callers only the finished ones, and building the rest costs a copy of every live
         # sequence's tokens per step.
         self.emit_partial_outputs = True
+        # Asynchronous scheduling: only with a runner of this process (not tensor-parallel).
+        self._async = isinstance(self.runner, ModelRunner) and (
+            args.async_scheduling if args.async_scheduling is not None
+            else self.device.type == "cuda")
+        self._inflight: _InFlight | None = None
+        if self._async:
+            pin = self.device.type == "cuda"
+            self._token_hosts = [torch.zeros(args.max_num_seqs, dtype=torch.long, pin_memory=pin)
+                                 for _ in range(2)]
+            self._token_turn = 0
         if self.device.type == "cuda":
             # A full collection of Python's cyclic GC walks every tracked object: after loading
             # torch, transformers and a model that is hundreds of thousands, and a step stalls
@@ -347,14 +376,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._fatal is not None:
             raise self._fatal
-        out = self.scheduler.schedule()
-        now = time.time()
-        results: list[RequestOutput] = []
+        if self._async:
+            return self._step_async()
+        return self._step_sync()
+
+    def _report_finished(self, out, now: float, results: list[RequestOutput]) -> None:
         for g in out.finished:  # rejected, aborted, or ended for lack of memory
             st = self._pop_request(g.request_id)
             if st is not None:
                 st.metrics.finished_time = now
                 results.append(self._final_output(st))
+
+    def _step_sync(self, results: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        now = time.time()
+        results = [] if results is None else results
+        self._report_finished(out, now, results)
         if out.is_empty:
             return results
 
@@ -450,6 +487,102 @@ class LLMEngine:
             elif st.beam is None and self.emit_partial_outputs:
                 results.append(self._output(st, finished=False))
         return results
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step with the host overlapped with the device (see the module docstring):
+        launch the next pass, then apply the one in flight."""
+        results: list[RequestOutput] = []
+        prev, self._inflight = self._inflight, None
+        sched = self.scheduler
+        if prev is not None and not self._num_not_argmax and sched.can_schedule_ahead():
+            out = sched.schedule_ahead()
+        else:
+            if prev is not None:
+                self._apply_inflight(prev, results)
+                prev = None
+            if self._num_not_argmax:  # sampling, logprobs, beams...: the plain loop
+                return self._step_sync(results)
+            out = sched.schedule()
+        now = time.time()
+        self._report_finished(out, now, results)
+        if not out.is_empty:
+            try:
+                self._inflight = self._launch(out, prev)
+            except Exception:
+                logger.exception("step failed; aborting the %d requests of this batch",
+                                 len(out.request_ids))
+                if prev is not None:
+                    self._apply_inflight(prev, results)
+                for rid in out.request_ids:
+                    sched.abort(rid)
+                sched.update(out, {})
+                return results
+            self._note_scheduled(out, now)
+        if prev is not None:
+            self._apply_inflight(prev, results)
+        if self._inflight is not None and not sched.has_unfinished():
+            # Every request ended with the step just applied: the pass in flight only computed
+            # rows to be ignored. Apply it now, so that the scheduler is idle between calls.
+            last, self._inflight = self._inflight, None
+            self._apply_inflight(last, results)
+        return results
+
+    def _launch(self, out, prev: _InFlight | None) -> _InFlight:
+        """Run `out`'s block operations and forward pass, and start its argmax and the copy
+        of the tokens to the host, without waiting for them."""
+        sched = out.scheduled
+        if out.num_samples == len(sched):
+            sample_idx = list(range(len(sched)))
+        else:
+            sample_idx = [k for k, ss in enumerate(sched) if ss.do_sample]
+        seqs = []
+        pending_rows: list[int] = []
+        sources: list[int] = []
+        row = 0
+        for ss in sched:
+            toks = ss.all_token_ids[ss.start : ss.start + ss.num_tokens]
+            if len(toks) < ss.num_tokens:  # its last token is prev's, still on the device
+                pending_rows.append(row + ss.num_tokens - 1)
+                sources.append(prev.rows[ss.seq_id])
+                toks.append(0)
+            seqs.append((toks, ss.start, ss.block_table))
+            row += ss.num_tokens
+        pending = PendingTokens(pending_rows, sources, prev.tokens) if pending_rows else None
+        runner = self.runner
+        runner.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        logits = runner.execute(seqs, sample_idx, pending)
+        tokens = logits.argmax(dim=-1)
+        n = len(sample_idx)
+        turn = self._token_turn
+        self._token_turn = 1 - turn
+        host = self._token_hosts[turn][:n]
+        ready = None
+        if tokens.is_cuda:
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host.copy_(tokens)
+        rows = {sched[k].seq_id: r for r, k in enumerate(sample_idx)}
+        return _InFlight(out, sample_idx, tokens, host, ready, rows)
+
+    def _apply_inflight(self, f: _InFlight, results: list[RequestOutput]) -> None:
+        """Wait for a launched step's tokens and apply them (update, outputs). Requests that
+        ended since it was launched (aborted, or stopped by the step before) are skipped."""
+        if f.ready is not None:
+            f.ready.synchronize()
+        sched = f.out.scheduled
+        requests = self._requests
+        samples: dict[int, list[int]] = {}
+        fed = []
+        for k, tok in zip(f.sample_idx, f.host.tolist()):
+            ss = sched[k]
+            st = requests.get(ss.request_id)
+            if st is not None and not st.group.is_finished:
+                samples[ss.seq_id] = [tok]
+                fed.append((st, ss.seq_id, tok))
+        self.scheduler.update(f.out, samples)
+        self._after_argmax_update(fed, time.time(), results)
 
     def _note_scheduled(self, out, now: float) -> None:
         """Queue time of the requests scheduled for the first time, preemption counts."""

@@ -34,6 +34,22 @@ _MAX_GRAPH_BATCH = 1024  # larger decode batches run eagerly
 
 
 @dataclass(slots=True)
+class PendingTokens:
+    """Input tokens still being sampled on the device (asynchronous scheduling): flat input
+    row `rows[i]` takes `tokens[sources[i]]`. The host holds a placeholder for them."""
+
+    rows: list[int]
+    sources: list[int]
+    tokens: torch.Tensor  # int64 on the runner's device
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        dev = input_ids.device
+        src = host_tensor(self.sources).to(dev, non_blocking=True)
+        dst = host_tensor(self.rows).to(dev, non_blocking=True)
+        input_ids.index_copy_(0, dst, self.tokens.index_select(0, src))
+
+
+@dataclass(slots=True)
 class StepInputs:
     """The tensors of one forward pass (kept for tests and debugging)."""
 
@@ -224,9 +240,16 @@ class ModelRunner:
         self._g_tables = torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
         self._g_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self._g_cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
-        self._g_stage = torch.zeros((3, top), dtype=torch.long, pin_memory=pin)
-        self._g_table_stage = StagedTables(
-            torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin))
+        # Two sets of pinned staging buffers, used in turn: with asynchronous scheduling the
+        # host fills the next step's while the copies of the step before may still be queued.
+        self._g_stages = [torch.zeros((3, top), dtype=torch.long, pin_memory=pin)
+                          for _ in range(2)]
+        self._g_table_stages = [
+            StagedTables(torch.zeros((top, self.max_blocks_per_seq), dtype=torch.int32,
+                                     pin_memory=pin))
+            for _ in range(2)
+        ]
+        self._g_turn = 0
 
     def _graph_for(self, num_seqs: int) -> int | None:
         fits = [b for b in self._graphs if b >= num_seqs]
@@ -234,6 +257,7 @@ class ModelRunner:
 
     def _replay_decode(
         self, toks: Sequence[list[int]], pos: Sequence[int], tables: Sequence[list[int]], b: int,
+        pending: PendingTokens | None = None,
     ) -> torch.Tensor:
         """Replay the decode graph of `b` rows on one token per sequence: `toks`, `pos` and
         `tables` are the columns of `execute`'s `seqs`."""
@@ -245,18 +269,22 @@ class ModelRunner:
             kv = sum(pos) + n
             self.step_log.append((n, n, kv, kv))
         # One pinned staging row per input, filled from one host tensor, one copy each; the
-        # copies are ordered before the replay on the same stream, and the buffers are
-        # rewritten only after the sampler has synchronised on this step's tokens.
-        stage = self._g_stage
+        # copies are ordered before the replay on the same stream. A buffer set is rewritten
+        # two steps later, after the engine has synchronised on the step in between.
+        turn = self._g_turn
+        self._g_turn = 1 - turn
+        stage = self._g_stages[turn]
         stage[:, :n] = host_tensor(ids + list(pos) + slots, torch.long).view(3, n)
         self._g_ids[:n].copy_(stage[0, :n], non_blocking=True)
+        if pending is not None:
+            pending.write_into(self._g_ids)
         self._g_pos[:n].copy_(stage[1, :n], non_blocking=True)
         self._g_slots[:n].copy_(stage[2, :n], non_blocking=True)
         self._g_slots[n:b].fill_(-1)
         self._g_lens[:n].copy_(self._g_pos[:n])
         self._g_lens[:n] += 1
         self._g_lens[n:b].zero_()
-        table_stage = self._g_table_stage
+        table_stage = self._g_table_stages[turn]
         width = table_stage.update(tables)
         self._g_tables[:n, :width].copy_(table_stage.buf[:n, :width], non_blocking=True)
         graph, hidden = self._graphs[b]
@@ -372,13 +400,15 @@ class ModelRunner:
         self,
         seqs: list[tuple[list[int], int, list[int]]],
         sample_seq_indices: list[int],
+        pending: PendingTokens | None = None,
     ) -> torch.Tensor:
-        """Run one forward pass; return float32 logits [len(sample_seq_indices), vocab]."""
+        """Run one forward pass; return float32 logits [len(sample_seq_indices), vocab].
+        `pending`: input tokens that are still on the device (placeholders in `seqs`)."""
         if self._graphs and seqs:
             toks, pos, tables = zip(*seqs)
             b = self._graph_for(len(seqs)) if max(map(len, toks)) == 1 else None
             if b is not None:
-                hidden = self._replay_decode(toks, pos, tables, b)
+                hidden = self._replay_decode(toks, pos, tables, b, pending)
                 if sample_seq_indices != list(range(len(seqs))):  # else every row samples
                     rows = host_tensor(sample_seq_indices).to(self.device, non_blocking=True)
                     hidden = hidden[rows]
@@ -386,6 +416,8 @@ class ModelRunner:
                 self._end_span()
                 return logits
         inputs = self._build_inputs(seqs, sample_seq_indices)
+        if pending is not None:
+            pending.write_into(inputs.input_ids)
         self._begin_span()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not sample_seq_indices:

@@ -113,6 +113,8 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_arrival = 0
         self._last_output: SchedulerOutput | None = None
+        # With `schedule_ahead`, the output before the latest one, until it is applied.
+        self._prev_output: SchedulerOutput | None = None
 
         self._num_preemptions = 0
         self._num_recompute = 0
@@ -251,6 +253,51 @@ class Scheduler:
                 "the previous SchedulerOutput has sequences to sample and was not passed to "
                 "update(); call update(output, samples) before schedule()"
             )
+        return self._schedule(None)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether :meth:`schedule_ahead` may build the next batch now: prefix caching is
+        off (it hashes a block's tokens when the block fills, and the coming tokens are not
+        known), the latest output is not applied yet (and the one before it is), no request
+        is swapped out, every running request has one sequence, and every running sequence
+        can grow by one token without a preemption (a free block each, above the watermark)."""
+        last = self._last_output
+        if last is None or last.applied or self._caching:
+            return False
+        prev = self._prev_output
+        if (prev is not None and not prev.applied) or self._swapped:
+            return False
+        running = self._running
+        for g in running:
+            if len(g.seqs) != 1:
+                return False
+        return self.block_manager.gpu_pool.num_free >= len(running) + self._wm
+
+    def schedule_ahead(self) -> SchedulerOutput:
+        """The next batch, built while the latest one still runs (asynchronous scheduling).
+
+        Each sequence that samples in the latest output counts its token to come as known:
+        it is scheduled at that token's position, which ``all_token_ids`` does not hold yet
+        (``start == len(all_token_ids)``), and the runner reads the token where the sampler
+        leaves it, on the device. A sequence whose coming token ends it by length is left out.
+        Waiting requests are admitted as usual; nothing is preempted or swapped (see
+        :meth:`can_schedule_ahead`, which must hold). Pass the latest output to
+        :meth:`update` first, then this one. A sequence that its coming token stops (EOS, stop
+        token) finishes in that update; its row of this batch is computed and then ignored,
+        and its blocks go back to the pool, to be written again only by later passes.
+        """
+        if not self.can_schedule_ahead():
+            raise RuntimeError(
+                "schedule_ahead() needs an unapplied latest output, nothing swapped, single-"
+                "sequence requests and a free block per running sequence; use schedule()"
+            )
+        last = self._last_output
+        self._prev_output = last
+        return self._schedule({ss.seq_id for ss in last.scheduled if ss.do_sample})
+
+    def _schedule(self, pending: set[int] | None) -> SchedulerOutput:
+        """`schedule`, or with `pending` (the sequences whose next token is being sampled)
+        `schedule_ahead`."""
         bm = self.block_manager
         gpu_pool = bm.gpu_pool
         grow = bm.grow
@@ -277,7 +324,15 @@ class Scheduler:
                 s = seqs[0]
                 start = s.num_computed_tokens
                 tokens = s.token_ids
-                need = len(tokens) - start
+                known = len(tokens)
+                ahead = 0
+                if pending is not None and s.seq_id in pending:
+                    known += 1
+                    ahead = 1
+                    if known - s.prompt_len >= g._max_tokens or known >= self._max_len:
+                        i += 1  # its coming token ends it (LENGTH): nothing to compute
+                        continue
+                need = known - start
                 if need <= budget:
                     t = need
                 elif chunked and budget > 0:
@@ -286,8 +341,10 @@ class Scheduler:
                     blocked = True
                     break
                 try:
-                    cow = grow(s.seq_id, t)
+                    cow = grow(s.seq_id, t, ahead) if ahead else grow(s.seq_id, t)
                 except NoFreeBlocksError:
+                    if pending is not None:  # can_schedule_ahead() rules this out
+                        raise RuntimeError("schedule_ahead() ran out of blocks") from None
                     if not self._make_room(g, [t], swap_out, preempted):
                         break  # g itself was preempted (it was the last running group)
                     cow = grow(s.seq_id, t)
@@ -295,7 +352,7 @@ class Scheduler:
                     copies.extend(cow)
                 end = start + t
                 s.num_computed_tokens = end
-                do_sample = end == len(tokens)
+                do_sample = end == known
                 num_samples += do_sample
                 scheduled.append(
                     ScheduledSequence(
@@ -637,12 +694,18 @@ class Scheduler:
         ``min_tokens`` are generated (STOP), max_tokens and the maximum length (LENGTH).
         Raises ValueError and changes nothing on a bad argument.
         """
-        if output is not self._last_output:
+        prev = self._prev_output
+        if output is not self._last_output and (output is not prev or prev.applied):
             raise ValueError(
                 "update() needs the SchedulerOutput returned by the latest schedule() call"
             )
         if output.applied:
             raise ValueError("this SchedulerOutput was already passed to update()")
+        if output is not prev and prev is not None and not prev.applied:
+            raise ValueError(
+                "update() the output before the latest (schedule_ahead) first: outputs are "
+                "applied in the order they were scheduled"
+            )
         if not isinstance(samples, Mapping):
             raise ValueError(f"samples must be a mapping seq_id -> token ids, got {samples!r}")
         sched = output.scheduled

@@ -1,0 +1,170 @@
+"""Asynchronous scheduling (step N+1 built and launched before step N's tokens are applied)
+gives the same outputs as the plain loop, on the real embedded model on the CPU, whatever
+ends the requests: length, stop tokens, stop strings, aborts in flight, the maximum context
+length; and it hands over to the plain loop and back when memory runs short, when a request
+needs more than an argmax, and with prefix caching. No block is left behind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hi",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Q: What is the largest planet in the solar system?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def make_engine(embedded_model) -> Callable[..., LLMEngine]:
+    def make(async_scheduling: bool, **overrides: Any) -> LLMEngine:
+        opts: dict[str, Any] = dict(device="cpu", kv_cache_gb=0.05, swap_space=0.02, seed=0)
+        opts.update(overrides)
+        return LLMEngine(EngineArgs(async_scheduling=async_scheduling, **opts),
+                         model=embedded_model)
+
+    return make
+
+
+def run(engine: LLMEngine, params: list[SamplingParams], *, abort_at: dict[int, str] | None = None,
+        late: dict[int, tuple[str, str, SamplingParams]] | None = None) -> dict[str, tuple]:
+    """Run every prompt to its end; `abort_at[step]`: abort that request before that step;
+    `late[step]`: add (id, prompt, params) then. Checks that nothing leaked."""
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"r{i}", p, sp)
+    finals: dict[str, tuple] = {}
+    step = 0
+    while engine.has_unfinished_requests() or (late and any(k >= step for k in late)):
+        if abort_at and step in abort_at:
+            engine.abort_request(abort_at[step])
+        if late and step in late:
+            engine.add_request(*late[step])
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                finals[out.request_id] = (c.token_ids, c.finish_reason, c.stop_reason, c.text)
+        step += 1
+        assert step < 500, "the engine did not finish"
+    stats = engine.get_stats()
+    assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
+    assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0, "KV blocks leaked"
+    assert engine._inflight is None
+    assert engine.scheduler.block_manager.num_seqs == 0
+    return finals
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(make_engine) -> list[list[int]]:
+    finals = run(make_engine(False), [greedy(16, ignore_eos=True)] * len(PROMPTS))
+    return [finals[f"r{i}"][0] for i in range(len(PROMPTS))]
+
+
+def compare(make_engine, params: list[SamplingParams], engine: dict | None = None, **kw: Any):
+    """Both loops on the same requests: identical outputs, except that a request aborted while
+    a step was in flight may miss that step's token (it is discarded with the request)."""
+    plain = run(make_engine(False, **(engine or {})), params, **kw)
+    ahead_engine = make_engine(True, **(engine or {}))
+    ahead = run(ahead_engine, params, **kw)
+    assert ahead.keys() == plain.keys()
+    for rid, got in ahead.items():
+        want = plain[rid]
+        if want[1] == "abort":
+            assert got[1] == "abort" and want[0][: len(got[0])] == got[0], rid
+            assert len(want[0]) - len(got[0]) <= 1, rid
+        else:
+            assert got == want, rid
+    return plain, ahead_engine
+
+
+def test_same_tokens_with_lengths_stop_tokens_and_eos(make_engine, plain_tokens):
+    # Stop tokens taken from the plain run, so that requests stop at different steps, some
+    # in the middle of a batch that was already scheduled ahead.
+    params = [
+        greedy(16, ignore_eos=True),
+        greedy(16, stop_token_ids=[plain_tokens[1][5]]),
+        greedy(3, ignore_eos=True),
+        greedy(16, stop_token_ids=[plain_tokens[3][7], plain_tokens[3][8]]),
+        greedy(13),
+        greedy(16, stop_token_ids=[plain_tokens[5][0]]),  # stops at its first token
+    ]
+    plain, _ = compare(make_engine, params)
+    reasons = {k: v[1] for k, v in plain.items()}
+    assert reasons["r1"] == "stop" and reasons["r5"] == "stop" and reasons["r2"] == "length"
+    assert len(plain["r5"][0]) == 1
+
+
+def test_same_text_with_stop_strings(make_engine, plain_tokens, embedded_tokenizer):
+    text = embedded_tokenizer.decode(plain_tokens[0][:12])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = [greedy(16, stop=[stop])] + [greedy(10 + i, ignore_eos=True) for i in range(1, 6)]
+    plain, _ = compare(make_engine, params)
+    assert plain["r0"][1] == "stop" and plain["r0"][2] == stop
+
+
+def test_aborts_and_late_requests_while_a_step_is_in_flight(make_engine):
+    params = [greedy(14, ignore_eos=True)] * len(PROMPTS)
+    late = {4: ("late", "Name three fruits:", greedy(8, ignore_eos=True)),
+            9: ("later", "Hi", greedy(5, ignore_eos=True))}
+    plain, _ = compare(make_engine, params, abort_at={3: "r1", 6: "r4", 7: "late"}, late=late)
+    assert plain["r1"][1] == plain["r4"][1] == plain["late"][1] == "abort"
+    assert plain["later"][1] == "length"
+
+
+def test_requests_that_reach_the_maximum_context_length(make_engine):
+    params = [greedy(64, ignore_eos=True)] * len(PROMPTS)
+    plain, _ = compare(make_engine, params, engine=dict(max_model_len=32))
+    assert all(v[1] == "length" for v in plain.values())
+
+
+@pytest.mark.parametrize("name, engine", [
+    ("recompute", dict(num_gpu_blocks_override=9, preemption_mode="recompute")),
+    ("swap", dict(num_gpu_blocks_override=9, num_cpu_blocks_override=64, preemption_mode="swap")),
+    ("chunked-prefill", dict(max_num_batched_tokens=8)),
+    ("prefix-caching", dict(enable_prefix_caching=True)),
+])
+def test_hands_over_to_the_plain_loop_under_pressure(make_engine, plain_tokens, name, engine):
+    params = [greedy(16, ignore_eos=True)] * len(PROMPTS)
+    plain, ahead_engine = compare(make_engine, params, engine=engine)
+    assert [plain[f"r{i}"][0] for i in range(len(PROMPTS))] == plain_tokens
+    if name in ("recompute", "swap"):
+        assert ahead_engine.get_stats().num_preemptions > 0
+
+
+def test_sampling_requests_run_in_the_plain_loop_beside_greedy_ones(make_engine):
+    params = [greedy(12, ignore_eos=True), SamplingParams(max_tokens=12, temperature=0.8, seed=3,
+                                                          ignore_eos=True)]
+    params += [greedy(12, ignore_eos=True, logprobs=2)] + [greedy(9, ignore_eos=True)] * 3
+    compare(make_engine, params)
+
+
+def test_schedule_ahead_is_refused_when_it_cannot_hold(make_engine):
+    engine = make_engine(True)
+    sched = engine.scheduler
+    assert not sched.can_schedule_ahead()  # nothing scheduled yet
+    with pytest.raises(RuntimeError, match="schedule_ahead"):
+        sched.schedule_ahead()
+    engine.add_request("x", PROMPTS[0], greedy(4, ignore_eos=True))
+    out = sched.schedule()
+    assert sched.can_schedule_ahead()
+    ahead = sched.schedule_ahead()
+    assert ahead.scheduled[0].start == len(ahead.scheduled[0].all_token_ids)
+    with pytest.raises(ValueError, match="order"):
+        sched.update(ahead, {ahead.scheduled[0].seq_id: [1]})
+    sched.update(out, {out.scheduled[0].seq_id: [1]})
+    sched.update(ahead, {ahead.scheduled[0].seq_id: [2]})
+    assert sched.get_group("x").seqs[0].token_ids[-2:] == [1, 2]
+    sched.abort("x")
