@@ -140,8 +140,13 @@ class FakeModel:
         ]
         self.corruptions: list[str] = []
 
-    def run(self, out: SchedulerOutput) -> dict[int, list[int]]:
+    def run(
+        self, out: SchedulerOutput, pending: dict[int, int] | None = None
+    ) -> dict[int, list[int]]:
+        """`pending`: the token of each sequence scheduled ahead (`schedule_ahead`) at the
+        position that its token list does not hold yet."""
         bs = self.bs
+        pending = pending or {}
         for src, dst in out.blocks_to_swap_out:
             self.cpu[dst] = list(self.gpu[src])
         for src, dst in out.blocks_to_swap_in:
@@ -153,7 +158,10 @@ class FakeModel:
             if len(table) * bs < ss.start + ss.num_tokens:
                 self.corruptions.append(f"seq {ss.seq_id}: block table too short")
                 continue
-            for p, tok in zip(range(ss.start, ss.start + ss.num_tokens), ss.token_ids):
+            toks = ss.token_ids
+            if len(toks) < ss.num_tokens:
+                toks.append(pending[ss.seq_id])
+            for p, tok in zip(range(ss.start, ss.start + ss.num_tokens), toks):
                 self.gpu[table[p // bs]][p % bs] = (p, tok)
         samples: dict[int, list[int]] = {}
         live: dict[str, int] = {}
@@ -170,8 +178,11 @@ class FakeModel:
                     ctx.append(-1)
                 else:
                     ctx.append(c[1])
-            if ctx != seq.token_ids[:end]:
-                self.corruptions.append(f"seq {ss.seq_id}: read {ctx} != {seq.token_ids[:end]}")
+            known = seq.token_ids[:end]
+            if len(known) < end:
+                known.append(pending[ss.seq_id])
+            if ctx != known:
+                self.corruptions.append(f"seq {ss.seq_id}: read {ctx} != {known}")
             g = seq.group
             count = live.setdefault(g.request_id, len(g.seqs))
             toks = choose(ctx, seq.prompt_len, g.params.n, count, is_beam(g.request_id))

@@ -184,3 +184,59 @@ def test_random_workloads_end_cleanly_and_match_reference(scenario):
             event("ended for lack of memory")
             continue
         assert actual_outputs(g) == reference_outputs(r.rid, r.prompt, r.params, max_len)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(scenarios())
+def test_scheduling_ahead_gives_the_same_outputs(scenario):
+    """The same random workloads driven as an asynchronous engine does: whenever
+    `can_schedule_ahead()`, the next batch is scheduled and run before the one in flight is
+    applied (the fake model reads the token in flight from that batch's samples); otherwise
+    the one in flight is applied first. Same outputs as the reference, nothing leaked."""
+    cfg, reqs = scenario
+    sched = Scheduler(cfg)
+    model = FakeModel(sched)
+    groups = {}
+    aborted = set()
+    max_len = min(cfg.max_model_len, cfg.num_gpu_blocks * cfg.block_size)
+    pending_reqs = sorted(reqs, key=lambda r: r.arrive)
+    inflight = None  # (output, samples) run but not applied
+    ahead_steps = 0
+    step = 0
+    while pending_reqs or sched.has_unfinished() or inflight is not None:
+        assert step < 3000, "livelock: requests never finish"
+        while pending_reqs and pending_reqs[0].arrive <= step:
+            r = pending_reqs.pop(0)
+            groups[r.rid] = sched.add_request(r.rid, r.prompt, r.params, arrival_time=float(step))
+        for r in reqs:
+            if r.abort == step and r.rid in groups and sched.abort(r.rid):
+                aborted.add(r.rid)
+        if inflight is not None and sched.can_schedule_ahead():
+            out = sched.schedule_ahead()
+            ahead_steps += 1
+            tokens = {sid: toks[0] for sid, toks in inflight[1].items() if len(toks) == 1}
+            samples = model.run(out, tokens)
+            sched.update(*inflight)
+        else:
+            if inflight is not None:
+                sched.update(*inflight)
+            out = sched.schedule()
+            check_step(sched, out)
+            samples = model.run(out)
+        inflight = (out, samples)
+        check_states(sched)
+        if not sched.has_unfinished():
+            sched.update(*inflight)
+            inflight = None
+        step += 1
+    assert not model.corruptions, model.corruptions[:5]
+    assert_all_free(sched)
+    if ahead_steps:
+        event("scheduled ahead")
+    for r in reqs:
+        g = groups[r.rid]
+        assert g.is_finished
+        if g.finish_reason is FinishReason.REJECTED or r.rid in aborted or g.reason_text:
+            continue
+        assert actual_outputs(g) == reference_outputs(r.rid, r.prompt, r.params, max_len)

@@ -319,7 +319,7 @@ class BlockManager:
         is copied on write: the sequence gets a new block and ``((src, dst),)`` is returned for
         the runner to copy; otherwise the shared empty tuple ``()``. All or nothing.
 
-        ``pending``: how many slots past the known tokens may be reserved, for tokens still
+        ``pending=1``: one slot past the known tokens may be reserved, for the token still
         being sampled (asynchronous scheduling). Only without prefix caching, which hashes a
         block's tokens when it fills.
         """
@@ -343,7 +343,8 @@ class BlockManager:
     def _grow(self, seq_id: int, n: int, pending: int = 0) -> tuple[tuple[int, int], ...]:
         seq = self._get_gpu(seq_id, "grow()")
         self._check_count(n, "num_new_slots")
-        self._check_count(pending, "pending")
+        if pending not in (0, 1):
+            raise ValueError(f"pending must be 0 or 1, got {pending!r}")
         if pending and self._cache is not None:
             raise ValueError(
                 "grow(pending=...) reserves slots for unknown tokens, which prefix caching "
@@ -657,7 +658,8 @@ class BlockManager:
                 problems.append(
                     f"seq {seq.seq_id!r}: {len(seq.blocks)} blocks for {seq.num_slots} slots"
                 )
-            if seq.num_slots > len(seq.token_ids):
+            # without prefix caching, one slot may wait for a token being sampled (grow pending)
+            if seq.num_slots > len(seq.token_ids) + (self._cache is None):
                 problems.append(f"seq {seq.seq_id!r}: more slots than tokens")
             if seq.fast_left and not (
                 seq.on_gpu

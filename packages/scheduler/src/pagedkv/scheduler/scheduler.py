@@ -259,7 +259,7 @@ class Scheduler:
         """Whether :meth:`schedule_ahead` may build the next batch now: prefix caching is
         off (it hashes a block's tokens when the block fills, and the coming tokens are not
         known), the latest output is not applied yet (and the one before it is), no request
-        is swapped out, every running request has one sequence, and every running sequence
+        is swapped out, every running request has one sequence (n = 1), and every running sequence
         can grow by one token without a preemption (a free block each, above the watermark)."""
         last = self._last_output
         if last is None or last.applied or self._caching:
@@ -269,7 +269,7 @@ class Scheduler:
             return False
         running = self._running
         for g in running:
-            if len(g.seqs) != 1:
+            if g.params.n != 1 or len(g.seqs) != 1:  # n > 1 forks at its first token
                 return False
         return self.block_manager.gpu_pool.num_free >= len(running) + self._wm
 
