@@ -104,6 +104,14 @@ class _SeqState:
     cum_logprob: float = 0.0
 
 
+def _sample_indices(out) -> list[int]:
+    """Positions in `out.scheduled` of the sequences that sample this step."""
+    sched = out.scheduled
+    if out.num_samples == len(sched):
+        return list(range(len(sched)))
+    return [k for k, ss in enumerate(sched) if ss.do_sample]
+
+
 @dataclass(slots=True)
 class _InFlight:
     """A launched step whose tokens are not applied yet (asynchronous scheduling)."""
@@ -396,10 +404,7 @@ class LLMEngine:
             return results
 
         sched = out.scheduled
-        if out.num_samples == len(sched):
-            sample_idx = list(range(len(sched)))
-        else:
-            sample_idx = [k for k, ss in enumerate(sched) if ss.do_sample]
+        sample_idx = _sample_indices(out)
         touched: dict[str, _RequestState] = {}
         try:
             argmax_only = self._argmax_only(sched, sample_idx)
@@ -418,12 +423,7 @@ class LLMEngine:
             self._fatal = exc  # a tensor-parallel rank died: the engine cannot go on
             raise
         except Exception:
-            # One bad batch must not wedge the engine: its requests end as aborted (their
-            # blocks freed) and the others go on at the next step.
-            logger.exception("step failed; aborting the %d requests of this batch", len(out.request_ids))
-            for rid in out.request_ids:
-                self.scheduler.abort(rid)
-            self.scheduler.update(out, {})
+            self._abort_batch(out)
             return results
         self._note_scheduled(out, now)
         if argmax_only:
@@ -509,13 +509,9 @@ class LLMEngine:
             try:
                 self._inflight = self._launch(out, prev)
             except Exception:
-                logger.exception("step failed; aborting the %d requests of this batch",
-                                 len(out.request_ids))
                 if prev is not None:
                     self._apply_inflight(prev, results)
-                for rid in out.request_ids:
-                    sched.abort(rid)
-                sched.update(out, {})
+                self._abort_batch(out)
                 return results
             self._note_scheduled(out, now)
         if prev is not None:
@@ -527,14 +523,19 @@ class LLMEngine:
             self._apply_inflight(last, results)
         return results
 
+    def _abort_batch(self, out) -> None:
+        """One bad batch must not wedge the engine: its requests end as aborted (their blocks
+        freed) and the others go on at the next step. Call from an `except` block."""
+        logger.exception("step failed; aborting the %d requests of this batch", len(out.request_ids))
+        for rid in out.request_ids:
+            self.scheduler.abort(rid)
+        self.scheduler.update(out, {})
+
     def _launch(self, out, prev: _InFlight | None) -> _InFlight:
         """Run `out`'s block operations and forward pass, and start its argmax and the copy
         of the tokens to the host, without waiting for them."""
         sched = out.scheduled
-        if out.num_samples == len(sched):
-            sample_idx = list(range(len(sched)))
-        else:
-            sample_idx = [k for k, ss in enumerate(sched) if ss.do_sample]
+        sample_idx = _sample_indices(out)
         seqs = []
         pending_rows: list[int] = []
         sources: list[int] = []
@@ -571,16 +572,7 @@ class LLMEngine:
         ended since it was launched (aborted, or stopped by the step before) are skipped."""
         if f.ready is not None:
             f.ready.synchronize()
-        sched = f.out.scheduled
-        requests = self._requests
-        samples: dict[int, list[int]] = {}
-        fed = []
-        for k, tok in zip(f.sample_idx, f.host.tolist()):
-            ss = sched[k]
-            st = requests.get(ss.request_id)
-            if st is not None and not st.group.is_finished:
-                samples[ss.seq_id] = [tok]
-                fed.append((st, ss.seq_id, tok))
+        samples, fed = self._argmax_samples(f.out.scheduled, f.sample_idx, f.host.tolist())
         self.scheduler.update(f.out, samples)
         self._after_argmax_update(fed, time.time(), results)
 
@@ -649,15 +641,22 @@ class LLMEngine:
         return all(requests[sched[k].request_id].prep.argmax_only for k in sample_idx)
 
     def _sample_argmax(self, sched, sample_idx, logits):
-        """The throughput path: one argmax on the device, one copy of the ids to the host.
-        Returns (samples for scheduler.update, (request, sequence id, token) per sequence)."""
+        """The throughput path: one argmax on the device, one copy of the ids to the host."""
+        return self._argmax_samples(sched, sample_idx, logits.argmax(dim=-1).tolist())
+
+    def _argmax_samples(self, sched, sample_idx, tokens: list[int]):
+        """(samples for scheduler.update, (request, sequence id, token) per sequence) of an
+        argmax-only batch. Requests that ended since the batch was scheduled (aborted, or, with
+        asynchronous scheduling, stopped by the step before) are left out."""
         requests = self._requests
         samples: dict[int, list[int]] = {}
         fed = []
-        for k, tok in zip(sample_idx, logits.argmax(dim=-1).tolist()):
+        for k, tok in zip(sample_idx, tokens):
             ss = sched[k]
-            samples[ss.seq_id] = [tok]
-            fed.append((requests[ss.request_id], ss.seq_id, tok))
+            st = requests.get(ss.request_id)
+            if st is not None and not st.group.is_finished:
+                samples[ss.seq_id] = [tok]
+                fed.append((st, ss.seq_id, tok))
         return samples, fed
 
     def _sample(self, out, sample_idx, logits, touched):
