@@ -6,17 +6,18 @@ GPU waits. This script measures that host work alone, on the CPU: a tiny random 
 forward pass is replaced by a no-op (a static hidden-state tensor), so what remains is the
 engine's own Python and torch-on-host work.
 
-By default the decode batches go through the CUDA-graph input path (`_replay_decode`: pinned
-staging rows, packed block tables, static buffers) with a stand-in "graph" whose replay does
-nothing; `--eager` uses `_build_inputs` instead (the path of `--enforce-eager` and of mixed
-batches).
+By default the decode batches go through the CUDA-graph input path (`DecodeGraphs.replay`:
+pinned staging rows, staged block tables, static buffers) with a stand-in "graph" whose replay
+does nothing; `--eager` uses `build_inputs` instead (the path of `--enforce-eager` and of
+mixed batches). `--async` steps as asynchronous scheduling does on a GPU (schedule ahead,
+launch, then apply the step before).
 
     python scripts/host_overhead.py                      # 512 and 256 sequences, graph path
     python scripts/host_overhead.py --num-seqs 512 --profile   # plus cProfile of the steps
 
 Prints, per batch size, the median milliseconds per step and their split:
-schedule / block ops / execute (input preparation) / sample / update / engine (the rest of
-`LLMEngine.step`: building the runner's arguments, metrics, outputs). The machine's noise only
+schedule / execute (block operations and input preparation, `ModelRunner.run`) / sample /
+update / engine (the rest of `LLMEngine.step`: the batch's lists, outputs, bookkeeping). The machine's noise only
 adds time, so of several rounds the one with the lowest median is reported; compare two
 versions of the code by running them alternately, more than once.
 """
@@ -38,6 +39,8 @@ import torch
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.worker.cuda_graphs import DecodeGraphs
+from pagedkv.engine.worker.model_runner import InFlightStep
 
 # One layer, small hidden size and vocabulary: the model itself is never run in the timed
 # steps, but building the engine and the logits stay cheap. max_model_len 2048 as the GPU
@@ -48,7 +51,7 @@ TINY = {
     "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
 }
-PARTS = ("schedule", "block_ops", "execute", "sample", "update")
+PARTS = ("schedule", "execute", "sample", "update")
 
 
 class _NoForward(torch.nn.Module):
@@ -79,11 +82,11 @@ class _NoReplay:
         pass
 
 
-def build_engine(folder: Path, max_num_seqs: int, eager: bool) -> LLMEngine:
+def build_engine(folder: Path, max_num_seqs: int, eager: bool, overlap: bool) -> LLMEngine:
     args = EngineArgs(
         model=str(folder), load_format="dummy", device="cpu", skip_tokenizer_init=True,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, block_size=16,
-        num_gpu_blocks_override=32768,
+        num_gpu_blocks_override=32768, async_scheduling=overlap,
         num_cpu_blocks_override=0, swap_space=0.0, seed=0,
     )
     engine = LLMEngine(args)
@@ -93,11 +96,14 @@ def build_engine(folder: Path, max_num_seqs: int, eager: bool) -> LLMEngine:
                       max(max_num_seqs, runner.max_num_batched_tokens))
     runner.model = stub
     if not eager:
-        sizes = runner.graph_batch_sizes()
-        runner._alloc_graph_inputs(sizes[-1])
-        static_hidden = stub.hidden[: sizes[-1]].clone()
-        for b in sizes:
-            runner._graphs[b] = (_NoReplay(), static_hidden[:b])
+        graphs = DecodeGraphs(stub, runner.kv_caches, block_size=runner.block_size,
+                              max_model_len=runner.max_model_len,
+                              max_blocks_per_seq=runner.max_blocks_per_seq,
+                              max_num_seqs=max_num_seqs, device=runner.device)
+        static_hidden = stub.hidden[: graphs.sizes[-1]].clone()
+        for b in graphs.sizes:
+            graphs.graphs[b] = (_NoReplay(), static_hidden[:b])
+        runner.graphs = graphs
     return engine
 
 
@@ -108,11 +114,10 @@ class _Timers:
     def __init__(self, engine: LLMEngine) -> None:
         self.acc = dict.fromkeys(PARTS, 0.0)
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "apply_block_ops", "block_ops")
-        self._wrap(engine.runner, "execute", "execute")
-        self._wrap(engine, "_sample", "sample")
-        if hasattr(engine, "_sample_argmax"):  # newer code: the argmax path has its own method
-            self._wrap(engine, "_sample_argmax", "sample")
+        self._wrap(engine.scheduler, "schedule_ahead", "schedule")
+        self._wrap(engine.runner, "run", "execute")
+        self._wrap(engine.runner, "sample", "sample")
+        self._wrap(InFlightStep, "result", "sample")
         self._wrap(engine.scheduler, "update", "update")
 
     def _wrap(self, obj, name: str, part: str) -> None:
@@ -136,11 +141,11 @@ class _Timers:
         return out
 
 
-def measure(num_seqs: int, context: int, steps: int, rounds: int, eager: bool, profile: bool,
-            folder: Path) -> dict:
+def measure(num_seqs: int, context: int, steps: int, rounds: int, eager: bool, overlap: bool,
+            profile: bool, folder: Path) -> dict:
     """Median step time and split of `rounds` rounds of `steps` decode steps each; the round
     with the lowest median is reported (the machine's noise only ever adds time)."""
-    engine = build_engine(folder, num_seqs, eager)
+    engine = build_engine(folder, num_seqs, eager, overlap)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     total = steps * rounds
@@ -195,7 +200,8 @@ def measure(num_seqs: int, context: int, steps: int, rounds: int, eager: bool, p
         argmax.append(clock() - t0)
 
     split_ms = {k: 1e3 * statistics.median(p[k] for p in parts) for k in (*PARTS, "engine")}
-    result = {"num_seqs": num_seqs, "path": "eager" if eager else "graph",
+    result = {"num_seqs": num_seqs,
+              "path": ("eager" if eager else "graph") + ("+async" if overlap else ""),
               "median_step_ms": 1e3 * med, "min_step_ms": 1e3 * min(per_step),
               "argmax_ms": 1e3 * statistics.median(argmax),
               "split_median_ms": split_ms}
@@ -216,6 +222,8 @@ def main() -> None:
                     help="rounds of --steps; the one with the lowest median is reported")
     ap.add_argument("--eager", action="store_true",
                     help="decode through _build_inputs, not the CUDA-graph staging path")
+    ap.add_argument("--async", dest="overlap", action="store_true",
+                    help="asynchronous scheduling, as on one GPU")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: the host work of one engine loop)")
@@ -227,13 +235,13 @@ def main() -> None:
         (folder / "config.json").write_text(json.dumps(TINY))
         for n in args.num_seqs:
             results.append(measure(n, args.context, args.steps, args.rounds, args.eager,
-                                   args.profile, folder))
-    head = f"{'seqs':>5} {'path':>6} {'median':>8} {'min':>7} {'argmax':>7} {'host':>7} | " + " ".join(
+                                   args.overlap, args.profile, folder))
+    head = f"{'seqs':>5} {'path':>12} {'median':>8} {'min':>7} {'argmax':>7} {'host':>7} | " + " ".join(
         f"{k:>9}" for k in (*PARTS, "engine"))
     print(head)
     for r in results:
         s = r["split_median_ms"]
-        print(f"{r['num_seqs']:>5} {r['path']:>6} {r['median_step_ms']:>8.3f} "
+        print(f"{r['num_seqs']:>5} {r['path']:>12} {r['median_step_ms']:>8.3f} "
               f"{r['min_step_ms']:>7.3f} {r['argmax_ms']:>7.3f} {r['host_step_ms']:>7.3f} | "
               + " ".join(f"{s[k]:>9.3f}" for k in (*PARTS, "engine")))
     print("milliseconds per step. host = median - argmax (the argmax is device work on a GPU, "

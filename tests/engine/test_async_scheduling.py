@@ -58,7 +58,7 @@ def run(engine: LLMEngine, params: list[SamplingParams], *, abort_at: dict[int, 
     stats = engine.get_stats()
     assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
     assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0, "KV blocks leaked"
-    assert engine._inflight is None
+    assert engine._async is None or engine._async.in_flight is None
     assert engine.scheduler.block_manager.num_seqs == 0
     return finals
 

@@ -89,10 +89,10 @@ def test_gpu_greedy_matches_transformers(graph_engine, model_path, hf_generate):
 
 
 def test_cuda_graphs_on_and_off_identical(graph_engine, model_path):
-    assert graph_engine.runner._graphs, "decode graphs should be captured"
+    assert graph_engine.runner.graphs.graphs, "decode graphs should be captured"
     with_graphs = run_all(graph_engine, PROMPTS, _greedy())
     eager_engine = _engine(model_path, enforce_eager=True)
-    assert not eager_engine.runner._graphs
+    assert eager_engine.runner.graphs is None
     eager = run_all(eager_engine, PROMPTS, _greedy())
     assert [o.outputs[0].token_ids for o in with_graphs] == [o.outputs[0].token_ids for o in eager]
 

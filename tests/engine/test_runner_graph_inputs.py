@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from pagedkv.engine.arg_utils import EngineArgs
-from pagedkv.engine.attention import AttentionMetadata
 from pagedkv.engine.config import ModelConfig
-from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagedkv.engine.worker.inputs import StepBatch, build_inputs, slot_mapping
+from pagedkv.engine.worker.model_runner import ModelRunner
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -24,19 +25,14 @@ TINY = {
 
 
 class _ReplayOnBuffers:
-    """What a captured graph does on replay: the same forward over the static buffers."""
+    """What a captured graph does on replay: the same forward over the static buffers (the
+    slot mapping computed from the staged tables and positions, as inside the real graph)."""
 
-    def __init__(self, runner: ModelRunner, b: int, hidden: torch.Tensor) -> None:
-        self.runner, self.b, self.hidden = runner, b, hidden
+    def __init__(self, graphs: DecodeGraphs, b: int, hidden: torch.Tensor) -> None:
+        self.graphs, self.b, self.hidden = graphs, b, hidden
 
     def replay(self) -> None:
-        r, b = self.runner, self.b
-        meta = AttentionMetadata(
-            slot_mapping=r._g_slots[:b], block_tables=r._g_tables[:b], seq_lens=r._g_lens[:b],
-            cu_query_lens=r._g_cu[: b + 1], max_query_len=1, max_seq_len=r.max_model_len,
-            decode_only=True,
-        )
-        self.hidden.copy_(r.model(r._g_ids[:b], r._g_pos[:b], r.kv_caches, meta))
+        self.hidden.copy_(self.graphs._forward(self.b))
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +43,33 @@ def runner(tmp_path_factory) -> ModelRunner:
                       swap_space=0.001, max_num_seqs=16, block_size=8)
     cfg = ModelConfig.from_model(str(folder), load_format="dummy", device="cpu")
     r = ModelRunner(cfg, args, torch.device("cpu"))
-    sizes = r.graph_batch_sizes()
-    r._alloc_graph_inputs(sizes[-1])
-    for b in sizes:
-        r._graphs[b] = (_ReplayOnBuffers(r, b, hidden := torch.zeros(b, cfg.hidden_size)), hidden)
+    g = DecodeGraphs(r.model, r.kv_caches, block_size=r.block_size, max_model_len=r.max_model_len,
+                     max_blocks_per_seq=r.max_blocks_per_seq, max_num_seqs=16, device=r.device)
+    for b in g.sizes:
+        g.graphs[b] = (_ReplayOnBuffers(g, b, hidden := torch.zeros(b, cfg.hidden_size)), hidden)
+    r.graphs = g
     return r
 
 
+def _batch(seqs, sample) -> StepBatch:
+    """seqs: (token ids, first position, block table) per sequence."""
+    toks, starts, tables = (list(c) for c in zip(*seqs))
+    return StepBatch(toks, starts, tables, list(sample))
+
+
+def _eager(r: ModelRunner, batch: StepBatch) -> torch.Tensor:
+    graphs, r.graphs = r.graphs, None
+    try:
+        return r.run(batch)
+    finally:
+        r.graphs = graphs
+
+
 def _both_paths(r: ModelRunner, seqs, sample) -> tuple[torch.Tensor, torch.Tensor]:
-    graphs, r._graphs = r._graphs, {}
     before = r.kv_cache.clone()
-    eager = r.execute(seqs, sample)
+    eager = _eager(r, _batch(seqs, sample))
     r.kv_cache.copy_(before)
-    r._graphs = graphs
-    return eager, r.execute(seqs, sample)
+    return eager, r.run(_batch(seqs, sample))
 
 
 def test_graph_inputs_give_the_eager_logits(runner: ModelRunner) -> None:
@@ -74,21 +83,35 @@ def test_graph_inputs_give_the_eager_logits(runner: ModelRunner) -> None:
         need = (n + 3 + bs - 1) // bs
         seqs.append(([rng.randrange(3, 1000) for _ in range(n)], blocks[at : at + need]))
         at += need
-    graphs, runner._graphs = runner._graphs, {}
-    runner.execute([(t, 0, table) for t, table in seqs], [])  # prefill, eager
-    runner._graphs = graphs
+    _eager(runner, _batch([(t, 0, table) for t, table in seqs], []))  # prefill
 
     step = [([rng.randrange(3, 1000)], len(t), table) for t, table in seqs]
-    assert runner._graph_for(len(step)) == 16
+    assert runner.graphs.size_for(len(step)) == 16
     eager, graph = _both_paths(runner, step, list(range(len(step))))
     torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
 
     # A smaller batch next: stale rows and columns in the buffers must not matter.
-    runner.execute(step, [])
+    runner.run(_batch(step, []))
     step2 = [([rng.randrange(3, 1000)], len(t) + 1, table) for t, table in seqs[:3]]
-    assert runner._graph_for(len(step2)) == 4
+    assert runner.graphs.size_for(len(step2)) == 4
     eager, graph = _both_paths(runner, step2, [0, 2])
     torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
+
+
+def test_slot_mapping_is_kvblocks_rule() -> None:
+    """The tensor slot rule gives, for every token, block_table[p // bs] * bs + p % bs."""
+    rng = random.Random(2)
+    bs = 8
+    tables = [rng.sample(range(100), 6) for _ in range(4)]
+    rows, positions, expected = [], [], []
+    for i, t in enumerate(tables):
+        for p in rng.sample(range(len(t) * bs), 10):
+            rows.append(i)
+            positions.append(p)
+            expected.append(t[p // bs] * bs + p % bs)
+    got = slot_mapping(torch.tensor(tables, dtype=torch.int32), torch.tensor(rows),
+                       torch.tensor(positions), bs)
+    assert got.dtype == torch.long and got.tolist() == expected
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -101,34 +124,29 @@ def test_mixed_batch_splits_decodes_from_prefills(runner: ModelRunner, backend, 
     rng = random.Random(1)
     blocks = list(range(runner.num_gpu_blocks))
     rng.shuffle(blocks)
-    graphs, runner._graphs = runner._graphs, {}
-    try:
-        tables, at = [], 0
-        for _ in range(5):
-            tables.append(blocks[at : at + 8])
-            at += 8
-        prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 17, 4, 30, 12)]
-        runner.execute([(p, 0, t) for p, t in zip(prompts[:3], tables)], [])
-        decodes = [([rng.randrange(3, 1000)], len(p), t) for p, t in zip(prompts[:3], tables)]
-        chunks = [(prompts[3][:20], 0, tables[3]), (prompts[4], 0, tables[4])]
-        inputs = runner._build_inputs(decodes + chunks, [0])
-        assert inputs.meta.num_decode_seqs == 3
-        before = runner.kv_cache.clone()
-        mixed = runner.execute(decodes + chunks, [0, 1, 2, 3, 4])
-        runner.kv_cache.copy_(before)
-        apart = torch.cat([runner.execute(decodes, [0, 1, 2]), runner.execute(chunks, [0, 1])])
-        torch.testing.assert_close(mixed, apart, rtol=0, atol=1e-4)
-    finally:
-        runner._graphs = graphs
+    tables, at = [], 0
+    for _ in range(5):
+        tables.append(blocks[at : at + 8])
+        at += 8
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 17, 4, 30, 12)]
+    _eager(runner, _batch([(p, 0, t) for p, t in zip(prompts[:3], tables)], []))
+    decodes = [([rng.randrange(3, 1000)], len(p), t) for p, t in zip(prompts[:3], tables)]
+    chunks = [(prompts[3][:20], 0, tables[3]), (prompts[4], 0, tables[4])]
+    inputs, _ = build_inputs(_batch(decodes + chunks, [0]), runner.block_size, runner.device)
+    assert inputs.meta.num_decode_seqs == 3
+    before = runner.kv_cache.clone()
+    mixed = _eager(runner, _batch(decodes + chunks, [0, 1, 2, 3, 4]))
+    runner.kv_cache.copy_(before)
+    apart = torch.cat([_eager(runner, _batch(decodes, [0, 1, 2])),
+                       _eager(runner, _batch(chunks, [0, 1]))])
+    torch.testing.assert_close(mixed, apart, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("max_num_seqs, expected_top, expected_len",
                          [(16, 16, 5), (100, 100, 11), (512, 512, 36), (1000, 1000, 44),
                           (1024, 1024, 44), (4096, 1024, 44)])
 def test_graph_batch_sizes_cover_every_batch(max_num_seqs, expected_top, expected_len) -> None:
-    r = ModelRunner.__new__(ModelRunner)  # only the sizing rule is under test
-    r.args = EngineArgs(model="unused", max_num_seqs=max_num_seqs)
-    sizes = r.graph_batch_sizes()
+    sizes = graph_batch_sizes(max_num_seqs)
     assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == expected_top
     assert len(sizes) == expected_len
     # Every batch up to the top has a graph that wastes at most an eighth of it (past 8).

@@ -7,20 +7,20 @@ import math
 import pytest
 import torch
 
-from pagedkv.engine.logits_processors import (
+from pagedkv.engine.worker.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
     penalty_pairs,
 )
-from pagedkv.engine.sampler import (
+from pagedkv.engine.worker.sampler import (
     Sampler,
     SamplingBatch,
     SamplingRow,
     child_seed,
-    make_generator,
     prompt_logprobs,
+    seeded_uniform,
 )
 from pagedkv.engine.sampling_params import SamplingParams
 
@@ -273,17 +273,14 @@ class _FakeModel:
 
 def _run_steps(model, layout, steps=40):
     """layout: per step, a list of (name, params, seed or None). Returns tokens by name."""
-    gens: dict[str, torch.Generator] = {}
     seqs: dict[str, list[int]] = {}
     shared = torch.Generator().manual_seed(999)
     for step in range(steps):
         entries = layout(step)
         rows = []
-        for name, params, seed in entries:
+        for name, params, _seed in entries:
             seqs.setdefault(name, [5])
-            if seed is not None and name not in gens:
-                gens[name] = make_generator(seed)
-            rows.append(SamplingRow(params, [5], seqs[name][1:], gens.get(name)))
+            rows.append(SamplingRow(params, [5], seqs[name][1:], position=len(seqs[name])))
         out = _sample(model.logits([seqs[n] for n, _, _ in entries]), rows, generator=shared)
         for (name, _, _), r in zip(entries, out.rows):
             seqs[name].append(r.token_ids[0])
@@ -311,16 +308,42 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
     assert _run_steps(model, lambda s: [("t", other, 4321)])["t"] != alone
 
 
+def test_seeded_draws_are_a_pure_function_of_seed_index_position_and_draw():
+    u = seeded_uniform(7, 0, 10, 0)
+    assert 0.0 <= u < 1.0 and u == seeded_uniform(7, 0, 10, 0)
+    # Any change of one of the four ints gives another number.
+    others = {seeded_uniform(8, 0, 10, 0), seeded_uniform(7, 1, 10, 0),
+              seeded_uniform(7, 0, 11, 0), seeded_uniform(7, 0, 10, 1)}
+    assert u not in others and len(others) == 4
+    # Roughly uniform: the mean of many draws is near 1/2 and they fill [0, 1).
+    draws = [seeded_uniform(3, 0, pos) for pos in range(20000)]
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.01
+    assert min(draws) < 0.001 and max(draws) > 0.999
+
+
+def test_seeded_row_samples_the_same_token_at_a_position_after_a_preemption():
+    """A recomputed sequence samples position p again with the same draw: no generator state
+    that the first attempt advanced."""
+    logits = _logits(1, seed=21, scale=0.3)
+    p = SamplingParams(temperature=1.0, seed=11)
+    first = [_sample(logits, [SamplingRow(p, [1], [], position=pos)]).rows[0].token_ids
+             for pos in range(30)]
+    again = [_sample(logits, [SamplingRow(p, [1], [], position=pos)]).rows[0].token_ids
+             for pos in range(30)]
+    assert first == again
+    assert len({t[0] for t in first}) > 1  # the draws differ with the position
+
+
 def test_parallel_samples_from_one_row_are_seeded_and_independent():
     logits = _logits(1, seed=12, scale=0.5)
     p = SamplingParams(temperature=1.0, n=8, seed=3)
-    a = _sample(logits, [SamplingRow(p, [], [], make_generator(3), num_samples=8)])
+    a = _sample(logits, [SamplingRow(p, [], [], num_samples=8)])
     b = _sample(
         torch.cat([_logits(2, seed=13), logits]),
         [
             SamplingRow(SamplingParams(), [], [], num_samples=3),
             SamplingRow(SamplingParams(temperature=0), [], []),
-            SamplingRow(p, [], [], make_generator(3), num_samples=8),
+            SamplingRow(p, [], [], num_samples=8),
         ],
     )
     assert a.rows[0].token_ids == b.rows[2].token_ids
@@ -398,8 +421,6 @@ def test_beam_rows_give_top_candidates_of_penalised_logprobs():
 
 
 def test_bad_batches_raise_clear_errors():
-    with pytest.raises(ValueError, match="no generator"):
-        SamplingBatch([SamplingRow(SamplingParams(seed=1), [], [])], vocab_size=V)
     with pytest.raises(ValueError, match="num_samples"):
         SamplingBatch([SamplingRow(SamplingParams(), [], [], num_samples=0)], vocab_size=V)
     batch = SamplingBatch([SamplingRow(SamplingParams(), [], [])], vocab_size=V)
@@ -417,13 +438,10 @@ def test_sampler_on_cuda_matches_cpu_for_greedy_and_is_seed_stable():
     gpu = _sample(logits.cuda(), rows, device="cuda")
     assert [r.token_ids for r in cpu.rows] == [r.token_ids for r in gpu.rows]
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
-    a = _sample(
-        logits.cuda()[4:], [SamplingRow(p, [], [], make_generator(5, "cuda"))], device="cuda"
-    )
+    a = _sample(logits.cuda()[4:], [SamplingRow(p, [], [], position=3)], device="cuda")
     b = _sample(
         logits.cuda(),
-        [SamplingRow(SamplingParams(), [], [])] * 4
-        + [SamplingRow(p, [], [], make_generator(5, "cuda"))],
+        [SamplingRow(SamplingParams(), [], [])] * 4 + [SamplingRow(p, [], [], position=3)],
         device="cuda",
     )
     assert a.rows[0].token_ids == b.rows[4].token_ids

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pagedkv.engine.staging import StagedTables, host_tensor
+from pagedkv.engine.worker.staging import StagedTables, host_tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.long, torch.int32])

@@ -37,7 +37,7 @@ from pagedkv.engine.distributed.parallel_state import (
 )
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.model_loader import load_model
-from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

@@ -32,6 +32,8 @@ _EXPORTS = {
     "Logprob": "pagedkv.engine.outputs",
     "RequestMetrics": "pagedkv.engine.outputs",
     "ModelConfig": "pagedkv.engine.config",
+    "RunnerOutput": "pagedkv.engine.outputs",
+    "StepRecord": "pagedkv.engine.step_record",
 }
 
 __all__ = ["__version__", *_EXPORTS]

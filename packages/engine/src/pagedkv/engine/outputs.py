@@ -33,6 +33,43 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position (raw model distribution), as the runner
+    hands them back: the sampled token's, its rank, and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def to_dict(self) -> PositionLogprobs:
+        """vLLM's per-position dict: the sampled token first, then the top-N alternatives."""
+        out = {self.token_id: Logprob(self.logprob, self.rank)}
+        for r, (t, lp) in enumerate(zip(self.top_token_ids, self.top_logprobs), start=1):
+            if t not in out:
+                out[t] = Logprob(lp, r)
+        return out
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the model runner hands back for one step: plain host data, no tensors.
+
+    `sampled_token_ids` is the input of `Scheduler.update`: per sampling sequence its new
+    token, or several (a request's first token with `best_of > 1`: the scheduler forks one
+    sequence per extra token), or none (an empty list drops the sequence). Beam-search
+    sequences are absent there: `beam_candidates` holds each one's best next tokens and their
+    log-probabilities, from which the engine's beam search picks. `logprobs` holds one entry
+    per sampled token for the requests that asked for them.
+    """
+
+    sampled_token_ids: dict[int, list[int]]
+    logprobs: dict[int, list[TokenLogprobs]] | None = None
+    beam_candidates: dict[int, tuple[list[int], list[float]]] | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request (so far, while streaming)."""
 

@@ -248,3 +248,27 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestSampling:
+    """How the runner samples one queued request: the parameters it samples with (which may
+    ask for more than the user did, e.g. logprobs to rank `best_of` samples) and whether an
+    argmax is all it needs (greedy, one sequence, no logprobs, penalties or min_tokens), so a
+    batch of only such requests takes the argmax path without building a sampling batch.
+
+    The engine attaches it to the scheduler's sequence group (`SequenceGroup.sampling`); the
+    scheduler never reads it."""
+
+    params: SamplingParams
+    argmax_only: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> RequestSampling:
+        return cls(params, (
+            params.sampling_type == SamplingType.GREEDY
+            and params.best_of == 1
+            and params.logprobs is None
+            and params.min_tokens == 0
+            and not params.needs_penalties
+        ))

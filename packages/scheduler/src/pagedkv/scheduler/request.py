@@ -150,6 +150,9 @@ class SequenceGroup:
     next_index: int = 1
     #: Time the request finished (set by the simulator / engine; the scheduler leaves it).
     finished_time: float | None = None
+    #: How the request's tokens are sampled: set by the engine, read by its model runner,
+    #: opaque to the scheduler (which never samples).
+    sampling: object = field(default=None, repr=False)
     _stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
     _max_tokens: int = field(default=0, repr=False)
 

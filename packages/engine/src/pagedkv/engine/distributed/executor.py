@@ -1,17 +1,17 @@
 """What `LLMEngine` drives: one `ModelRunner`, or a tensor-parallel group of them.
 
-:func:`make_runner` returns the plain :class:`~pagedkv.engine.runner.ModelRunner` for
-``tensor_parallel_size == 1`` (the engine's hot path is unchanged), else a
-:class:`TensorParallelRunner` with the same interface (``apply_block_ops``, ``execute``,
-``num_gpu_blocks``, ``num_cpu_blocks``, ``max_num_batched_tokens``) that:
+:func:`make_runner` returns the plain :class:`~pagedkv.engine.worker.model_runner.ModelRunner`
+for ``tensor_parallel_size == 1`` (the engine's hot path is unchanged), else a
+:class:`TensorParallelRunner` with the same interface (``execute``, ``num_gpu_blocks``,
+``num_cpu_blocks``, ``max_num_batched_tokens``) that:
 
 1. checks that the model can be split that way (a ``ValueError`` before anything starts);
 2. spawns ``N - 1`` worker processes (or, under ``torchrun``, finds them started), joins them in
    one process group, and loads rank 0's shard beside theirs; the KV cache gets the smallest
    number of blocks that fits on every rank;
-3. per step, broadcasts the scheduler's block operations and batch (token ids, first positions
-   and block tables of the sequences, which of them sample) to the workers, then runs rank 0's
-   share itself; the logits are gathered on rank 0, where the engine samples;
+3. per step, broadcasts the batch (a ``StepBatch``: block operations, token ids, first
+   positions and block tables of the sequences, which of them sample) to the workers, then
+   runs rank 0's share itself; the logits are gathered on rank 0, which samples;
 4. watches the workers: a worker that exits, or a collective that fails or times out, ends the
    engine with a :class:`TensorParallelError` naming the rank and its exit code, and stops the
    other workers, instead of hanging.
@@ -50,7 +50,9 @@ from pagedkv.engine.distributed.worker import (
     run_torchrun_worker,
     spawned_worker_main,
 )
-from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.outputs import RunnerOutput
+from pagedkv.engine.worker.inputs import step_batch
+from pagedkv.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -341,17 +343,12 @@ class TensorParallelRunner:
         return self.local.step_gpu_events
 
     # ---- one step --------------------------------------------------------------------------
-    # Both calls take whatever `ModelRunner`'s take: the arguments travel to every rank as they
-    # are and each rank makes the same call on its own runner.
-    def apply_block_ops(self, *args: Any, **kwargs: Any) -> None:
-        """Swap and copy blocks on every rank (nothing is sent when there is nothing to do)."""
-        if not kwargs and not any(len(a) for a in args):
-            return
-        self._run("apply_block_ops", args, kwargs)
-
-    def execute(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Run one step on every rank; rank 0's float32 logits of the sampling sequences."""
-        return self._run("execute", args, kwargs)
+    def execute(self, out) -> RunnerOutput:
+        """Run one scheduled step on every rank (each runs the same `StepBatch`); rank 0
+        samples from the gathered logits."""
+        batch = step_batch(out)
+        logits = self._run("run", (batch,), {})
+        return self.local.sample(out, batch.sample_idx, logits)
 
     def __getattr__(self, name: str) -> Any:
         """Other `ModelRunner` attributes read rank 0's; a method would run on rank 0 only,

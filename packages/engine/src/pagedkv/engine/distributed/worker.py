@@ -2,9 +2,9 @@
 
 Every rank, the driver included, builds a :class:`RankRunner` (a `ModelRunner` over its shard,
 whose KV cache holds its share of the KV heads). Ranks > 0 then run :func:`serve`: receive the
-driver's message for each step over the CPU group and execute it (block swaps and copies, the
-forward pass with its collectives), until the driver says stop. They never sample: the logits
-are gathered on the driver.
+driver's message for each step over the CPU group and run it (`ModelRunner.run`: block swaps
+and copies, the forward pass with its collectives), until the driver says stop. They never
+sample: the logits are gathered on the driver, which samples.
 
 Workers start in one of two ways:
 
@@ -38,7 +38,7 @@ from pagedkv.engine.distributed.parallel_state import (
     torchrun_env,
 )
 from pagedkv.engine.model_loader import load_model
-from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # call on this rank's runner as on the driver's, for the methods in FORWARDED; (STOP,) ends.
 CALL = "call"
 STOP = "stop"
-FORWARDED = frozenset({"execute", "apply_block_ops"})
+FORWARDED = frozenset({"run"})
 JOINED_KEY = "pagedkv/worker_joined/{rank}"
 
 
@@ -95,7 +95,7 @@ def serve(ctx: ParallelContext, runner: ModelRunner) -> None:
         kind = msg[0]
         if kind == CALL and msg[1] in FORWARDED:
             getattr(runner, msg[1])(*msg[2], **msg[3])
-            steps += msg[1] == "execute"
+            steps += 1
         elif kind == STOP:
             logger.info("rank %d: the driver stopped the engine after %d steps", ctx.rank, steps)
             runner.release_graphs()
@@ -163,15 +163,6 @@ def _exit_with_parent(rank: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="pagedkv-tp-parent-watch", daemon=True).start()
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device an `EngineArgs.device` means (as `LLMEngine` resolves it)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is available; use --device cpu")
-    return torch.device(name)
 
 
 def run_torchrun_worker(args: EngineArgs, model_config: ModelConfig | None = None) -> int:

@@ -1,8 +1,8 @@
 """Batched token sampling on torch tensors (any device).
 
 One step samples N rows at once. The host builds a `SamplingBatch` from each row's
-`SamplingParams`, prompt/output token ids and (for seeded requests) its own
-`torch.Generator`; the `Sampler` then applies, in vLLM's order, min_tokens masking,
+`SamplingParams`, prompt/output token ids and (for seeded requests) the sequence's index and
+position; the `Sampler` then applies, in vLLM's order, min_tokens masking,
 repetition / frequency / presence penalties, temperature, top-k, top-p and min-p, and picks
 tokens: argmax for greedy rows; for random rows, the inverse CDF of the processed
 distribution at one uniform draw per sample (an exact draw that needs one random number per
@@ -10,10 +10,10 @@ row, not one per vocabulary entry). Nothing is read back to the host until the f
 (and logprobs) are copied out in one go; on the CPU, where reading back is free, top-p skips
 the full vocabulary sort when the nucleus lies within the best few hundred logits.
 
-Reproducible seeds: a seeded row draws its uniform numbers from its own generator, exactly
-`num_samples` of them per step, so its token stream depends only on its seed and its own
-history, never on what else is in the batch or where the row sits. Unseeded rows share one
-generator.
+Reproducible seeds: a seeded row's uniform numbers are a pure function of (seed, sequence
+index, position, draw) (`seeded_uniform`), so its token stream depends only on its seed and
+its own history, never on what else is in the batch, where the row sits, or whether the
+request was preempted and recomputed. Unseeded rows share one generator.
 
 Log-probabilities are those of the model's raw distribution (log_softmax of the logits before
 any processing, vLLM's default): the sampled token's logprob and rank, and the top-N
@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine.beam_search import num_beam_candidates
-from pagedkv.engine.logits_processors import (
+from pagedkv.engine.outputs import Logprob, TokenLogprobs
+from pagedkv.engine.sampling_params import SamplingParams, SamplingType
+from pagedkv.engine.worker.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_temperature,
@@ -38,68 +40,65 @@ from pagedkv.engine.logits_processors import (
     apply_top_k_top_p,
     penalty_pairs,
 )
-from pagedkv.engine.outputs import Logprob
-from pagedkv.engine.sampling_params import SamplingParams, SamplingType
 
-_MASK64 = (1 << 63) - 1
+_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 
 
 def child_seed(seed: int, index: int) -> int:
     """Seed of the `index`-th sequence of a seeded request (index 0 keeps the request's seed).
 
-    With parallel sampling (n > 1) the first tokens of all n sequences are drawn from the
-    request's generator; afterwards sequence i > 0 continues with `make_generator(child_seed(seed, i))`,
-    so every sequence's stream depends only on the request's seed and its own history.
+    With parallel sampling (n > 1) the first tokens of all n sequences are drawn by sequence
+    0's row; afterwards sequence i draws from the stream of `child_seed(seed, i)`, so every
+    sequence's tokens depend only on the request's seed and its own history.
     """
     if index == 0:
         return seed
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK63
     x ^= x >> 31
-    x = (x * 0x94D049BB133111EB) & _MASK64
+    x = (x * 0x94D049BB133111EB) & _MASK63
     return x ^ (x >> 29)
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh `torch.Generator` on `device` seeded with `seed` (for a seeded sequence)."""
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(seed & _MASK64)
-    return g
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints that scrambles every bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, seq_index: int, position: int, draw: int = 0) -> float:
+    """The uniform number in [0, 1) that a seeded sequence uses for its `draw`-th sample of
+    the token at `position`.
+
+    A pure function of those four ints, so it is batch-invariant (no generator state that
+    other rows or an earlier batch could advance) and survives preemption (a recomputed
+    sequence samples its next position with the same number). Sequence `seq_index` of a
+    request with `n > 1` has its own stream (`child_seed`); `draw` separates the `best_of`
+    first tokens that one row samples at once.
+    """
+    x = _mix64((child_seed(seed, seq_index) + 0x9E3779B97F4A7C15) & _MASK64)
+    x = _mix64(x ^ ((position << 16 | draw) & _MASK64))
+    return (x >> 11) * (1.0 / (1 << 53))
 
 
 @dataclass(slots=True)
 class SamplingRow:
     """One row of the logits matrix: a sequence (or a prompt, for the first token) that samples.
 
-    `generator` is the sequence's own generator (required when `params.seed` is set, created
-    with `make_generator` and kept across steps); rows without one share the batch's.
     `num_samples` > 1 draws that many independent tokens from this row (parallel sampling's
     first token after the prompt: `best_of` of them). Beam-search rows get candidates instead.
+    A seeded row (`params.seed` set) draws `seeded_uniform(seed, seq_index, position, j)`:
+    `seq_index` is the sequence's index in its request, `position` that of the token sampled.
+    Unseeded rows share the batch's generator.
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None = None
     num_samples: int = 1
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Log-probabilities at one generated position (raw model distribution)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-    def to_dict(self) -> dict[int, Logprob]:
-        """vLLM's per-position dict: the sampled token first, then the top-N alternatives."""
-        out = {self.token_id: Logprob(self.logprob, self.rank)}
-        for r, (t, lp) in enumerate(zip(self.top_token_ids, self.top_logprobs), start=1):
-            if t not in out:
-                out[t] = Logprob(lp, r)
-        return out
+    seq_index: int = 0
+    position: int = 0
 
 
 @dataclass(slots=True)
@@ -233,7 +232,7 @@ class SamplingBatch:
         unseeded_slot_pos: list[int] = []
         seeded_slot_rows: list[int] = []
         seeded_slot_pos: list[int] = []
-        seeded_blocks: list[tuple[int, int, torch.Generator]] = []
+        seeded_u: list[float] = []
         lp_rows: list[int] = []
         beam_rows: list[int] = []
         beam_ks: list[int] = []
@@ -254,18 +253,7 @@ class SamplingBatch:
             n = row.num_samples
             if n < 1:
                 raise ValueError(f"row {i}: num_samples must be >= 1, got {n}")
-            gen = row.generator
-            if gen is not None and gen.device.type != device.type:
-                raise ValueError(
-                    f"row {i}: generator is on {gen.device}, logits on {device}; "
-                    "create it with make_generator(seed, device)"
-                )
             st = info.sampling_type
-            if st == SamplingType.RANDOM_SEED and gen is None:
-                raise ValueError(
-                    f"row {i}: params.seed is set but the row has no generator; keep one per "
-                    "sequence, made with make_generator(seed, device)"
-                )
             if info.logprobs is not None:
                 lp_index_of_row[i] = len(lp_rows)
                 lp_rows.append(i)
@@ -303,10 +291,11 @@ class SamplingBatch:
                 else:
                     greedy_slot_rows.extend([len(greedy_rows) - 1] * n)
                     greedy_slot_pos.extend(range(slot, slot + n))
-            elif gen is not None:
-                seeded_blocks.append((len(seeded_slot_rows), n, gen))
+            elif st == SamplingType.RANDOM_SEED:
                 seeded_slot_rows.extend([i] * n)
                 seeded_slot_pos.extend(range(slot, slot + n))
+                seed, index, pos = p.seed, row.seq_index, row.position
+                seeded_u.extend(seeded_uniform(seed, index, pos, j) for j in range(n))
             elif n == 1:
                 unseeded_slot_rows.append(i)
                 unseeded_slot_pos.append(slot)
@@ -318,14 +307,11 @@ class SamplingBatch:
         self.num_rows = len(self.rows)
 
         N = self.num_rows
-        # Random slots: unseeded ones first (one draw from the shared generator), then each
-        # seeded row's run (one draw from its own generator).
+        # Random slots: unseeded ones first (one draw each from the shared generator), then
+        # the seeded ones (their draws, `seeded_u`, computed above).
         rand_slot_rows = unseeded_slot_rows + seeded_slot_rows
         rand_slot_pos = unseeded_slot_pos + seeded_slot_pos
         self.num_unseeded_slots = len(unseeded_slot_rows)
-        self.seeded_blocks = [
-            (self.num_unseeded_slots + start, n, g) for start, n, g in seeded_blocks
-        ]
         # Logprob rows: which lp row each logprob-wanting slot reads.
         lp_slot_pos: list[int] = []
         lp_slot_lprow: list[int] = []
@@ -383,6 +369,7 @@ class SamplingBatch:
             "temps": floats.add(temps),
             "top_p": floats.add([top_ps[i] for i in topkp_rows]),
             "min_p": floats.add(min_ps),
+            "seeded_u": floats.add(seeded_u),
         }
         li = {
             "top_k": longs.add([top_ks[i] for i in topkp_rows]),
@@ -495,7 +482,7 @@ class Sampler:
             r = _sample_inverse_cdf(
                 torch.softmax(rows_of("rand", t["rand_slot_rows"]), dim=-1),
                 batch.num_unseeded_slots,
-                batch.seeded_blocks,
+                t["seeded_u"],
                 batch.generator,
             )
             if ident["rand"]:
@@ -604,21 +591,21 @@ def prompt_logprobs(
 def _sample_inverse_cdf(
     probs: torch.Tensor,
     num_unseeded: int,
-    seeded_blocks: list[tuple[int, int, torch.Generator]],
+    seeded_u: torch.Tensor,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
     """One token per row of `probs` by inverting its CDF at a uniform draw.
 
     One uniform number per row: the unseeded rows (first `num_unseeded`) draw from the shared
-    generator, each seeded run of rows from its own. A token of probability 0 is never picked
+    generator, the seeded rows after them take `seeded_u` (see `seeded_uniform`). A token of probability 0 is never picked
     (its CDF step is empty), and the draw is kept strictly below the row's total so rounding
     cannot run past the last possible token.
     """
     u = torch.empty((probs.shape[0], 1), dtype=probs.dtype, device=probs.device)
     if num_unseeded:
         u[:num_unseeded].uniform_(generator=generator)
-    for start, n, gen in seeded_blocks:
-        u[start : start + n].uniform_(generator=gen)
+    if seeded_u.numel():
+        u[num_unseeded:, 0] = seeded_u
     cdf = probs.cumsum_(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(u.mul_(total), torch.nextafter(total, torch.zeros_like(total)))

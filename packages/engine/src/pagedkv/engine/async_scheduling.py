@@ -1,0 +1,88 @@
+"""Asynchronous scheduling: the host prepares step N+1 while the device runs step N.
+
+On a GPU a decode step of a large batch is a CUDA-graph replay of a few milliseconds, and the
+plain step leaves the GPU idle while the host applies the step's tokens, detokenizes and
+schedules the next batch. Here, for batches of plain greedy requests, one `step()` does:
+
+```
+out = scheduler.schedule_ahead()     # step N+1, built before step N's tokens are known:
+                                     # each sequence is scheduled at its coming token's position
+launched = runner.execute_async(out) # its input tokens are read on the device from N's argmax
+result = in_flight.result()          # only now wait for step N's tokens...
+scheduler.update(...); outputs(...)  # ...and apply them while N+1 runs
+```
+
+Whenever that does not hold — a request that samples, wants logprobs or beams, a lack of
+free blocks, swapped requests, prefix caching (see `Scheduler.can_schedule_ahead`) — the step
+in flight is applied first and the engine takes the plain step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pagedkv.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import LLMEngine
+
+
+class AsyncScheduling:
+    """The engine's step with one batch in flight (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.in_flight = None  # (SchedulerOutput, worker.model_runner.InFlightStep)
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next pass, then apply the one in flight."""
+        engine = self.engine
+        sched = engine.scheduler
+        results: list[RequestOutput] = []
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None and engine.outputs.all_argmax and sched.can_schedule_ahead():
+            out = sched.schedule_ahead()
+        else:
+            if prev is not None:
+                results += self._apply(prev)
+                prev = None
+            if not engine.outputs.all_argmax:  # sampling, logprobs, beams...: the plain step
+                return results + engine.plain_step()
+            out = sched.schedule()
+        now = time.time()
+        results += engine.outputs.finished_outside(out.finished, now)
+        if not out.is_empty:
+            try:
+                self.in_flight = (out, engine.runner.execute_async(out))
+            except Exception:
+                if prev is not None:
+                    results += self._apply(prev)
+                engine.abort_batch(out)
+                return results
+            engine.outputs.note_scheduled(out, now)
+        if prev is not None:
+            results += self._apply(prev)
+        if self.in_flight is not None and not sched.has_unfinished():
+            # Every request ended with the step just applied: the pass in flight only computed
+            # rows to be ignored. Apply it now, so that the scheduler is idle between calls.
+            last, self.in_flight = self.in_flight, None
+            results += self._apply(last)
+        return results
+
+    def _apply(self, in_flight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them. Requests that ended since it was
+        launched (aborted, or stopped by the step before) are skipped by `update`."""
+        engine = self.engine
+        out, launched = in_flight
+        t0 = time.perf_counter()
+        result = launched.result()
+        samples = result.sampled_token_ids
+        t1 = time.perf_counter()
+        update = engine.scheduler.update(out, samples)
+        t2 = time.perf_counter()
+        results = engine.outputs.process(out, result, samples, update, time.time())
+        if engine.observed:
+            engine.observe(out, samples, update, results, wait=t1 - t0, update=t2 - t1,
+                           output=time.perf_counter() - t2)
+        return results

@@ -1,0 +1,350 @@
+"""The model runner: owns the model and the KV cache, and turns one `SchedulerOutput` into
+sampled tokens.
+
+``execute(scheduler_output) -> RunnerOutput``:
+
+1. swap and copy blocks as the scheduler planned (swap out, swap in, copy-on-write);
+2. build the flat batch — token ids, positions, slot mapping, block tables, per-sequence
+   lengths — for the mixed prefill/decode batch (a decode batch replays a CUDA graph);
+3. run the model once and compute the logits of the sequences that sample;
+4. sample (an argmax for plain greedy batches) and hand the token ids back to the host.
+
+``execute_async`` is the same pass for asynchronous scheduling: it returns at once with an
+`InFlightStep` whose `result()` waits for the tokens, and a sequence scheduled ahead of its last
+token reads that token on the device from the step launched before.
+
+All layers' caches live in one tensor ``kv_cache[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]``, so that one kernel launch copies or swaps a block in every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn_kernels import copy_blocks, swap_blocks
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.model_loader import load_model
+from pagedkv.engine.outputs import RunnerOutput
+from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagedkv.engine.worker.inputs import StepBatch, build_inputs, step_batch
+from pagedkv.engine.worker.sampling import BatchSampler
+from pagedkv.engine.worker.staging import host_tensor
+
+logger = logging.getLogger(__name__)
+
+_GB = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    """`--device`: "auto" is CUDA when a GPU is there, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is available; use --device cpu")
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class PendingTokens:
+    """Input tokens still being sampled on the device (asynchronous scheduling): flat input
+    row `rows[i]` takes `tokens[sources[i]]`. The host holds a placeholder for them."""
+
+    rows: list[int]
+    sources: list[int]
+    tokens: torch.Tensor  # int64 on the runner's device
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        dev = input_ids.device
+        src = host_tensor(self.sources).to(dev, non_blocking=True)
+        dst = host_tensor(self.rows).to(dev, non_blocking=True)
+        input_ids.index_copy_(0, dst, self.tokens.index_select(0, src))
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step whose tokens are on their way to the host (asynchronous scheduling)."""
+
+    seqs: list  # the sampling sequences, in row order
+    host: torch.Tensor  # where the argmax ids are copied (pinned on a GPU)
+    ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: already there)
+
+    def result(self) -> RunnerOutput:
+        """Wait for the tokens; the step's `RunnerOutput`."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return BatchSampler.argmax_output(self.seqs, self.host.tolist())
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the KV cache, executes scheduler outputs."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        args: EngineArgs,
+        device: torch.device,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """`model`: an already loaded model of `model_config` to reuse (tests build several
+        engines over one)."""
+        self.config = model_config
+        self.args = args
+        self.device = device
+        self.dtype = model_config.dtype
+        self.block_size = args.block_size
+        self.max_model_len = model_config.max_model_len
+        self.max_num_batched_tokens = args.max_num_batched_tokens or max(2048, self.max_model_len)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        # (tokens, sequences, KV tokens attended, query-key pairs) per forward pass, when a
+        # benchmark asks for it (`step_log = []`): the roofline of a run is computed from these.
+        self.step_log: list[tuple[int, int, int, int]] | None = None
+        # With `step_log` on a GPU: the device time of each pass, from its first kernel to its
+        # logits (CUDA events, read after the run). The step's wall time minus this is the time
+        # the GPU waited for the host.
+        self.step_gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._span_start: torch.cuda.Event | None = None
+
+        torch.manual_seed(args.seed)
+        self.model = model if model is not None else load_model(
+            model_config, load_format=args.load_format, device=device, dtype=self.dtype,
+            seed=args.seed,
+        )
+        self.sampler = BatchSampler(device, sorted(model_config.eos_token_ids), args.seed)
+        self._allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not args.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, block_size=self.block_size,
+                max_model_len=self.max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
+                max_num_seqs=args.max_num_seqs, device=device,
+            )
+            self.graphs.capture()
+        # Asynchronous scheduling: the argmax of the step launched last, on the device, and
+        # the row of each sampling sequence in it; two host buffers for the ids, used in turn.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[int, int] = {}
+        pin = device.type == "cuda"
+        self._token_hosts = [torch.zeros(args.max_num_seqs, dtype=torch.long, pin_memory=pin)
+                             for _ in range(2)]
+        self._token_turn = 0
+
+    # ---- sizing -------------------------------------------------------------------------------
+    def _allocate_kv_cache(self) -> None:
+        c = self.config
+        self.block_bytes = c.kv_bytes_per_token(self.dtype) * self.block_size
+        args = self.args
+        self.num_gpu_blocks = args.num_gpu_blocks_override or self._num_blocks_that_fit()
+        if self.num_gpu_blocks < 1:
+            raise ValueError(
+                "not enough memory for even one KV block: lower --max-num-batched-tokens or "
+                "raise --gpu-memory-utilization / --kv-cache-gb"
+            )
+        if args.num_cpu_blocks_override is not None:
+            self.num_cpu_blocks = args.num_cpu_blocks_override
+        else:
+            self.num_cpu_blocks = int(args.swap_space * _GB // self.block_bytes)
+        shape = (c.num_layers, 2, self.num_gpu_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        swap_shape = (shape[0], 2, self.num_cpu_blocks, *shape[3:])
+        pin = self.device.type == "cuda"
+        self.swap_cache = torch.empty(swap_shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GB) on %s, %d swap blocks (%.2f GB) on the host",
+            self.num_gpu_blocks, self.block_size, self.num_gpu_blocks * self.block_bytes / _GB,
+            self.device, self.num_cpu_blocks, self.num_cpu_blocks * self.block_bytes / _GB,
+        )
+
+    def _num_blocks_that_fit(self) -> int:
+        if self.device.type != "cuda":
+            return int(self.args.kv_cache_gb * _GB // self.block_bytes)
+        return self._profile_gpu_blocks()
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Blocks that fit in `gpu_memory_utilization` of the GPU after the peak activation
+        memory of the largest batch (a profiling forward pass of `max_num_batched_tokens`)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        base_allocated = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.max_num_batched_tokens
+        seq_len = min(self.max_model_len, num_tokens)
+        num_seqs = max(1, min(self.args.max_num_seqs, num_tokens // seq_len))
+        per_seq = math.ceil(seq_len / self.block_size)
+        c = self.config
+        tmp = torch.zeros((c.num_layers, 2, num_seqs * per_seq, self.block_size, c.num_kv_heads,
+                           c.head_dim), dtype=self.dtype, device=self.device)
+        caches = [(tmp[i, 0], tmp[i, 1]) for i in range(c.num_layers)]
+        batch = StepBatch(
+            token_ids=[[i % c.vocab_size for i in range(seq_len)] for _ in range(num_seqs)],
+            starts=[0] * num_seqs,
+            block_tables=[list(range(k * per_seq, (k + 1) * per_seq)) for k in range(num_seqs)],
+            sample_idx=list(range(num_seqs)),
+        )
+        inputs, _ = build_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+        rows = torch.zeros(self.args.max_num_seqs, dtype=torch.long, device=self.device)
+        self.model.compute_logits(hidden[rows])
+        torch.cuda.synchronize(self.device)
+        peak = (torch.cuda.max_memory_allocated(self.device) - base_allocated
+                - tmp.numel() * tmp.element_size())
+        del tmp, caches, hidden
+        torch.cuda.empty_cache()
+        # This engine's share: its weights and peak activations count against
+        # `gpu_memory_utilization`, other engines in the same process do not; and it never
+        # takes more than is free now.
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        weights += sum(t.numel() * t.element_size() for t in self.model.buffers())
+        context = max((total - free) - torch.cuda.memory_reserved(self.device), 0)
+        budget = total * self.args.gpu_memory_utilization - weights - peak - context
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        budget = min(budget, free_now - peak - (256 << 20))
+        logger.info(
+            "memory profile: total %.1f GB, weights %.2f GB, peak activations %.2f GB, "
+            "CUDA context and others %.2f GB -> %.2f GB for the KV cache",
+            total / _GB, weights / _GB, peak / _GB, context / _GB, budget / _GB,
+        )
+        return int(max(budget, 0) // self.block_bytes)
+
+    def graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes that get (or would get) a captured CUDA graph."""
+        return graph_batch_sizes(self.args.max_num_seqs)
+
+    def release_graphs(self) -> None:
+        """Drop the captured graphs and wait for the GPU. Tensor-parallel ranks do this before
+        leaving their process groups: NCCL does not finish tearing down a communicator while
+        graphs that captured its collectives are alive."""
+        if self.graphs is not None:
+            self.graphs.release()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out) -> RunnerOutput:
+        """Run one scheduled step (a `pagedkv.scheduler.SchedulerOutput`): block operations,
+        the forward pass, sampling. Returns the sampled token ids per sequence."""
+        batch = step_batch(out)
+        logits = self.run(batch)
+        return self.sample(out, batch.sample_idx, logits)
+
+    def sample(self, out, sample_idx: list[int], logits: torch.Tensor) -> RunnerOutput:
+        """Sample the rows of `out` listed in `sample_idx` from their `logits`."""
+        seqs, sched = out.seqs, out.scheduled
+        if len(sample_idx) != len(seqs):
+            seqs = [seqs[k] for k in sample_idx]
+            sched = [sched[k] for k in sample_idx]
+        if BatchSampler.all_plain_greedy(seqs):  # the throughput path
+            return BatchSampler.argmax_output(seqs, logits.argmax(dim=-1).tolist())
+        positions = [ss.start + ss.num_tokens for ss in sched]
+        return self.sampler.sample(seqs, positions, logits)
+
+    @torch.inference_mode()
+    def execute_async(self, out) -> InFlightStep:
+        """Launch one plain greedy step without waiting for it (asynchronous scheduling):
+        block operations, the forward pass, the argmax and the copy of the ids to the host.
+        A sequence scheduled ahead of its last token reads it here from the step launched
+        before, on the device."""
+        batch = step_batch(out)
+        pending = None
+        if batch.placeholders:
+            rows = self._last_rows
+            pending = PendingTokens([r for r, _ in batch.placeholders],
+                                    [rows[sid] for _, sid in batch.placeholders],
+                                    self._last_tokens)
+        tokens = self.run(batch, pending).argmax(dim=-1)
+        seqs = out.seqs
+        if len(batch.sample_idx) != len(seqs):
+            seqs = [seqs[k] for k in batch.sample_idx]
+        self._last_tokens = tokens
+        self._last_rows = {s.seq_id: r for r, s in enumerate(seqs)}
+        turn = self._token_turn
+        self._token_turn = 1 - turn
+        host = self._token_hosts[turn][: len(seqs)]
+        ready = None
+        if tokens.is_cuda:
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host.copy_(tokens)
+        return InFlightStep(seqs, host, ready)
+
+    def run(self, batch: StepBatch, pending: PendingTokens | None = None) -> torch.Tensor:
+        """Block operations, then one forward pass; float32 logits of the sampling rows.
+
+        Tensor-parallel ranks all call this with the same batch."""
+        if batch.swap_out or batch.swap_in or batch.copies:
+            self.apply_block_ops(batch.swap_out, batch.swap_in, batch.copies)
+        if self.step_log is not None:
+            self._log_pass(batch)
+        graphs = self.graphs
+        b = graphs.size_for(batch.num_seqs) if graphs is not None else None
+        if b is not None and batch.is_decode:
+            write = pending.write_into if pending is not None else None
+            ids = [t[0] for t in batch.token_ids]
+            self._begin_span()
+            hidden = graphs.replay(ids, batch.starts, batch.block_tables, b, write)
+            if not batch.samples_every_row:
+                hidden = hidden[host_tensor(batch.sample_idx).to(self.device, non_blocking=True)]
+            logits = self.model.compute_logits(hidden)
+            self._end_span()
+            return logits
+        inputs, _ = build_inputs(batch, self.block_size, self.device)
+        if pending is not None:
+            pending.write_into(inputs.input_ids)
+        self._begin_span()
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not batch.sample_idx:
+            logits = hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        else:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        self._end_span()
+        return logits
+
+    def apply_block_ops(
+        self,
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        copies: list[tuple[int, int]],
+    ) -> None:
+        """Swap out, swap in, then copy-on-write, in that order, before the forward pass.
+
+        The swaps are ordered on the compute stream: a block swapped out may be handed to
+        another sequence in this very step, and its new K/V must not be written before the
+        old contents left."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if swap_out:
+            swap_blocks(self.kv_cache, self.swap_cache, torch.tensor(swap_out, dtype=torch.long),
+                        stream=stream)
+        if swap_in:
+            swap_blocks(self.swap_cache, self.kv_cache, torch.tensor(swap_in, dtype=torch.long),
+                        stream=stream)
+        if copies:
+            copy_blocks(self.kv_cache, torch.tensor(copies, dtype=torch.long, device=self.device))
+
+    # ---- benchmark instrumentation --------------------------------------------------------
+    def _log_pass(self, batch: StepBatch) -> None:
+        qlens = [len(t) for t in batch.token_ids]
+        total = sum(qlens)
+        pairs = sum(q * s + q * (q + 1) // 2 for q, s in zip(qlens, batch.starts))
+        self.step_log.append((total, len(qlens), sum(batch.starts) + total, pairs))
+
+    def _begin_span(self) -> None:
+        if self.step_log is not None and self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._span_start = start
+
+    def _end_span(self) -> None:
+        if self.step_log is not None and self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.step_gpu_events.append((self._span_start, end))

@@ -1,0 +1,73 @@
+"""Sampling as the runner does it: from one step's logits to a `RunnerOutput`.
+
+Each scheduled sequence's request carries its `RequestSampling` (attached by the engine when it
+queued the request; the scheduler never reads it). A batch in which every sampling sequence is
+plain greedy takes the throughput path: one argmax on the device, one copy of the ids to the
+host. Any other batch builds a `SamplingBatch` (temperature, top-k/p, penalties, logprobs,
+seeds, beam candidates) for the `Sampler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedkv.engine.outputs import RunnerOutput
+from pagedkv.engine.worker.sampler import Sampler, SamplingBatch, SamplingRow
+
+
+def _plain_greedy(seq) -> bool:
+    return seq.group.sampling.argmax_only
+
+
+class BatchSampler:
+    """Samples the rows of a step: `sample(seqs, positions, logits) -> RunnerOutput`."""
+
+    def __init__(self, device: torch.device, eos_token_ids: Sequence[int], seed: int) -> None:
+        self.sampler = Sampler()
+        self.eos_token_ids = list(eos_token_ids)
+        # Shared by unseeded rows; seeded rows draw from their own seed (see the sampler).
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @staticmethod
+    def all_plain_greedy(seqs: Sequence) -> bool:
+        """Whether every sequence's request is plain greedy (an argmax is all it needs)."""
+        return all(map(_plain_greedy, seqs))
+
+    @staticmethod
+    def argmax_output(seqs: Sequence, tokens: list[int]) -> RunnerOutput:
+        return RunnerOutput({s.seq_id: [t] for s, t in zip(seqs, tokens)})
+
+    def sample(self, seqs: Sequence, positions: Sequence[int], logits: torch.Tensor) -> RunnerOutput:
+        """`seqs[i]` (a scheduler `Sequence`) samples the token at `positions[i]` from
+        `logits[i]`."""
+        if self.all_plain_greedy(seqs):
+            return self.argmax_output(seqs, logits.argmax(dim=-1).tolist())
+        rows: list[SamplingRow] = []
+        for s, pos in zip(seqs, positions):
+            p = s.group.sampling.params
+            num = 1
+            if p.best_of > 1 and not p.use_beam_search and s.num_output_tokens == 0:
+                num = p.best_of  # the first token: best_of of them, the scheduler forks
+            rows.append(SamplingRow(
+                p, s.group.prompt_token_ids,
+                s.token_ids[s.prompt_len:] if p.needs_penalties else (),
+                num, s.index, pos,
+            ))
+        batch = SamplingBatch(rows, vocab_size=logits.shape[1], device=logits.device,
+                              eos_token_ids=self.eos_token_ids, generator=self.generator)
+        result = RunnerOutput({})
+        for s, rs in zip(seqs, self.sampler(logits, batch).rows):
+            if rs.beam_token_ids is not None:
+                if result.beam_candidates is None:
+                    result.beam_candidates = {}
+                result.beam_candidates[s.seq_id] = (rs.beam_token_ids, rs.beam_logprobs)
+                continue
+            result.sampled_token_ids[s.seq_id] = rs.token_ids
+            if rs.logprobs is not None:
+                if result.logprobs is None:
+                    result.logprobs = {}
+                result.logprobs[s.seq_id] = rs.logprobs
+        return result
