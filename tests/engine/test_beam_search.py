@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pagedkv.engine.beam_search import Beam, BeamSearch, num_beam_candidates
-from pagedkv.engine.worker.sampler import Sampler, SamplingBatch, SamplingRow
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.worker.sampler import Sampler, SamplingBatch, SamplingRow
 
 EOS = 3
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.worker.logits_processors import (
     apply_min_p,
     apply_penalties,
@@ -22,7 +23,6 @@ from pagedkv.engine.worker.sampler import (
     prompt_logprobs,
     seeded_uniform,
 )
-from pagedkv.engine.sampling_params import SamplingParams
 
 V = 97
 

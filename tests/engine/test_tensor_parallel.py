@@ -37,8 +37,8 @@ from pagedkv.engine.distributed.parallel_state import (
 )
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.model_loader import load_model
-from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.worker.model_runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 20
