@@ -1,4 +1,5 @@
-"""`pagedkv bench serve` (or `python -m pagedkv.bench.serve`): load generator for any OpenAI-compatible completions server.
+"""`pagedkv bench serve` (or `python -m pagedkv.bench.serve`): load generator for any
+OpenAI-compatible completions server.
 
 Sends `--num-prompts` streaming requests to `/v1/completions`, arriving as a Poisson process at
 `--request-rate` requests per second (or all at once with `inf`), at most `--max-concurrency`

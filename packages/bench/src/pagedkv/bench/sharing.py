@@ -1,4 +1,5 @@
-"""`pagedkv bench sharing` (or `python -m pagedkv.bench.sharing`): how many KV blocks sharing saves, measured on a real model.
+"""`pagedkv bench sharing` (or `python -m pagedkv.bench.sharing`): how many KV blocks sharing
+saves, measured on a real model.
 
 For parallel sampling (n in {2, 4, 6}) and beam search (width in {2, 4, 6}) the engine runs a
 set of prompts; after every step the blocks actually in use are compared with the blocks the

@@ -1,6 +1,7 @@
 """Trace-driven simulator: this scheduler (paged) against contiguous-reservation baselines.
 
-``python -m pagedkv.bench.sim`` (or ``pagedkv simulate``) replays Poisson arrivals of a workload through
+``python -m pagedkv.bench.sim`` (or ``pagedkv simulate``) replays Poisson arrivals of a workload
+through
 
 * ``paged``: the real :class:`~pagedkv.scheduler.Scheduler` over a real
   :class:`kvblocks.BlockManager` (blocks on demand, preemption by recompute/swap);

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _load_plugins(_entry_points(ENTRY_POINT_GROUP), ENTRY_POINT_GROUP, sub)
     if "simulate" not in sub.choices:
-        _add_needs_bench(sub, "simulate", "trace-driven scheduler simulation")
+        _add_needs_bench(sub, "simulate", "scheduler simulation")
     return parser
 
 
