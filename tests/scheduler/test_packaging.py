@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN = textwrap.dedent(
     """
     import sys
+    import pagedkv.scheduler
     from pagedkv.scheduler import RequestParams, Scheduler, SchedulerConfig
 
     s = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=8, max_model_len=32))
