@@ -3,10 +3,10 @@ the engine, and of transformers on the same requests in the same run.
 
 Requests are random token ids with lengths from a named workload (the same seeded generator
 the simulator uses, :mod:`pagedkv.bench.workloads`) or fixed `--input-len/--output-len`; every
-request runs to its output length (`ignore_eos`), so every system does the same work. The transformers baseline is
-`generate` with static, left-padded batches in arrival order at each batch size given; the best
-one is the baseline. With `--baseline hf-cb` transformers' continuous-batching `generate_batch`
-runs too.
+request runs to its output length (`ignore_eos`), so every system does the same work. The
+transformers baseline is `generate` with static, left-padded batches in arrival order at each
+batch size given; the best one is the baseline. With `--baseline hf-cb` transformers'
+continuous-batching `generate_batch` runs too.
 
 The engine is driven through its public API (`LLMEngine`, `add_request`, `step`); the few engine
 internals the roofline needs are read in one marked section below (`_PassRecorder` and friends).
