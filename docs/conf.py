@@ -37,6 +37,7 @@ pagedkv_packages = [
     ("pagedkv.scheduler", "scheduler", "pagedkv-scheduler"),
     ("pagedkv.engine", "engine", "pagedkv-engine"),
     ("pagedkv.server", "server", "pagedkv-server"),
+    ("pagedkv.bench", "bench", "pagedkv-bench"),
 ]
 
 # .rst first: autosummary writes its generated API pages with the first suffix.

@@ -4,8 +4,9 @@
 #
 #   bash scripts/gpu_bench_throughput.sh [llama-sharegpt llama-alpaca llama-fixed opt-sharegpt ...]
 #
-# Each named run is one `pagedkv bench throughput` call: the engine on 1,000 requests (random
-# token ids, lengths from the seeded workload, `ignore_eos`), then transformers `generate` with
+# Each named run is one `pagedkv bench throughput` call, as `python3 -m pagedkv.bench.throughput`
+# (the checkout is on PYTHONPATH there: no entry points for the `pagedkv` command): the engine
+# on 1,000 requests (random token ids, lengths from the seeded workload, `ignore_eos`), then transformers `generate` with
 # static batches and its continuous batching on the first HF_N of the same requests, then the
 # roofline. Results: $OUT/throughput_<run>.json and .log. Models are the bundled shapes with
 # random bf16 weights (`--load-format dummy`). Tunables: NUM_PROMPTS, HF_N, HF_BS (batch sizes),
@@ -40,7 +41,7 @@ for run in "${runs[@]}"; do
   # shellcheck disable=SC2206
   wl+=(${EXTRA:-})
   echo "=== $run: $model ${wl[*]}"
-  timeout "${RUN_TIMEOUT:-480}" python3 -m pagedkv.engine.cli bench throughput --model "$model" \
+  timeout "${RUN_TIMEOUT:-480}" python3 -m pagedkv.bench.throughput --model "$model" \
     "${common[@]}" "${wl[@]}" --save-workload "/tmp/workload_${run}.json" \
     --output-json "$OUT/throughput_${run}.json" 2>&1 | grep -v -E "it/s\]|req/s\]|s/req\]" \
     | tee "$OUT/throughput_${run}.log" | grep -v -E "^\s*$" | tail -25

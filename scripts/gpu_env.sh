@@ -13,7 +13,7 @@ if [[ -z "${PAGEDKV_GPU_ENV:-}" ]]; then
       --upgrade --target /tmp/site .whl/*.whl || return 1
   fi
   _src=""
-  for _p in kvblocks pagedattn-kernels scheduler engine server; do _src="$_src:$PWD/packages/$_p/src"; done
+  for _p in kvblocks pagedattn-kernels scheduler engine server bench; do _src="$_src:$PWD/packages/$_p/src"; done
   export PYTHONPATH="/tmp/site$_src${PYTHONPATH:+:$PYTHONPATH}"
   export PAGEDKV_GPU_ENV=1
   unset _src _p

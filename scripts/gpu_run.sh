@@ -26,5 +26,5 @@ if [[ "$what" == all || "$what" == tests || "$what" == engine ]]; then
     --durations=10 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -40
 fi
 if [[ "$what" == all || "$what" == kernels ]]; then
-  timeout 300 python3 -m pagedattn_kernels.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
+  timeout 300 python3 -m pagedkv.bench.kernels 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
 fi

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The PagedAttention paper's serving curve on the GPU machine (NVIDIA H200, no network): start
 # `pagedkv serve` on Llama-3-8B's shape with random weights (bundled config, --load-format dummy,
-# no tokenizer: token ids in, token ids out), sweep the request rate with `bench serve` on the
-# ShareGPT-like workload, and keep normalized latency (s/token) against request rate, the
-# sustainable rate under a latency bound, the plot and both logs under $OUT:
+# no tokenizer: token ids in, token ids out), sweep the request rate with `bench serve`
+# (`python -m pagedkv.bench.serve`) on the ShareGPT-like workload, and keep normalized latency
+# (s/token) against request rate, the sustainable rate under a latency bound, the plot and both
+# logs under $OUT:
 #   serve_sweep_llama3_8b.json  .png  .log (the benchmark's output)  _server.log   env.txt
 # Run from the repository root (carry .whl: fastapi, uvicorn, pydantic... are not on that machine):
 #   bash scripts/gpu_serve_sweep.sh
@@ -81,7 +82,7 @@ echo "server ready after $((SECONDS - start_s))s"
 sweep_timeout=$((BUDGET_S - (SECONDS - start_s) - 40))  # 40 s: stopping the server, copying out
 if (( sweep_timeout < 30 )); then echo "no time left for the sweep"; exit 1; fi
 # shellcheck disable=SC2086  # BENCH_EXTRA is a list of options
-timeout --signal=TERM "$sweep_timeout" "$PYTHON" -m pagedkv.server.bench_serve \
+timeout --signal=TERM "$sweep_timeout" "$PYTHON" -m pagedkv.bench.serve \
   --base-url "http://127.0.0.1:$PORT" --workload "$WORKLOAD" --num-prompts "$NUM_PROMPTS" \
   --request-rates "$RATES" --latency-bound "$LATENCY_BOUND" --pause-between-rates "$PAUSE_S" \
   --warmup-requests "$WARMUP_REQUESTS" --vocab-size "$VOCAB_SIZE" \

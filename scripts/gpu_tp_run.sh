@@ -42,10 +42,11 @@ if want tests; then
     -p no:cacheprovider -rs --durations=10 2>&1 | tee "$OUT/tp_gpu_tests.log" | tail -25
 fi
 
-# bench NAME MODEL TP SECONDS: one `pagedkv bench throughput` run -> $OUT/NAME.json and NAME.log
+# bench NAME MODEL TP SECONDS: one `pagedkv bench throughput` run (python3 -m pagedkv.bench.throughput)
+# -> $OUT/NAME.json and NAME.log
 bench() {
   local name="$1" model="$2" tp="$3" limit="$4"
-  local cmd=(python3 -m pagedkv.engine.cli bench throughput --model "$model" --tensor-parallel-size "$tp"
+  local cmd=(python3 -m pagedkv.bench.throughput --model "$model" --tensor-parallel-size "$tp"
              --load-format dummy --dtype bfloat16 --workload sharegpt --num-prompts "$NUM_PROMPTS"
              --output-json "$OUT/$name.json")
   # shellcheck disable=SC2206

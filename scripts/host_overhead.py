@@ -90,7 +90,7 @@ def build_engine(folder: Path, max_num_seqs: int, eager: bool, overlap: bool) ->
         num_cpu_blocks_override=0, swap_space=0.0, seed=0,
     )
     engine = LLMEngine(args)
-    engine.emit_partial_outputs = False  # as the throughput benchmark runs it
+    engine.emit_partial_outputs = False  # as pagedkv.bench.throughput runs it
     runner = engine.runner
     stub = _NoForward(engine.model_config.hidden_size, engine.model_config.vocab_size,
                       max(max_num_seqs, runner.max_num_batched_tokens))

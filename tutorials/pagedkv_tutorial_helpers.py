@@ -720,10 +720,10 @@ def simulate(
     kv_gb: float = 12.0,
     seed: int = 0,
 ) -> dict[float, dict[str, Any]]:
-    """Run ``pagedkv.scheduler.sim`` for every policy at every rate: rate -> policy -> result."""
-    from pagedkv.scheduler import sim
-    from pagedkv.scheduler.cost_model import get_gpu, get_model
-    from pagedkv.scheduler.workloads import make_requests
+    """Run ``pagedkv.bench.sim`` for every policy at every rate: rate -> policy -> result."""
+    from pagedkv.bench import sim
+    from pagedkv.bench.cost_model import get_gpu, get_model
+    from pagedkv.bench.workloads import make_requests
 
     setup = sim.SimSetup(model=get_model(model), gpu=get_gpu(gpu), kv_bytes=int(kv_gb * (1 << 30)))
     results: dict[float, dict[str, Any]] = {}

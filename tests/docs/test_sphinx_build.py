@@ -29,18 +29,20 @@ PAGES = [
     "packages/scheduler.html",
     "packages/engine.html",
     "packages/server.html",
+    "packages/bench.html",
     "api/kvblocks.html",
     "api/pagedattn_kernels.html",
     "api/pagedkv.scheduler.html",
     "api/pagedkv.engine.html",
     "api/pagedkv.server.html",
+    "api/pagedkv.bench.html",
     "tutorials/index.html",
     *(f"tutorials/{nb.stem}.html" for nb in sorted((ROOT / "tutorials").glob("*.ipynb"))),
     "performance/index.html",
     "changelog/index.html",
     *(
         f"changelog/{p}.html"
-        for p in ("kvblocks", "pagedattn-kernels", "scheduler", "engine", "server")
+        for p in ("kvblocks", "pagedattn-kernels", "scheduler", "engine", "server", "bench")
     ),
 ]
 
@@ -130,7 +132,7 @@ def test_performance_extension_renders_results(tmp_path: Path):
     (src / "index.md").write_text("# Results\n\n```{pagedkv-performance}\n```\n")
     sim = {
         "benchmark": "scheduler simulator",
-        "command": "python -m pagedkv.scheduler.sim --rate 2",
+        "command": "python -m pagedkv.bench.sim --rate 2",
         "hardware": "2-core CPU",
         "versions": {"pagedkv-scheduler": "0.1.0"},
         "commit": "abc1234",
@@ -147,7 +149,7 @@ def test_performance_extension_renders_results(tmp_path: Path):
     (src / "performance" / "kernels.json").write_text(
         json.dumps(
             {
-                "command": "python -m pagedattn_kernels.bench",
+                "command": "python -m pagedkv.bench.kernels",
                 "copy_bw_TBps": 4.1234,
                 "decode_bw_frac_b64_c4k": 0.87,
             }
@@ -158,8 +160,8 @@ def test_performance_extension_renders_results(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     raw = (out / "index.html").read_text(encoding="utf-8")
     page = text_of(raw)
-    assert "python -m pagedkv.scheduler.sim --rate 2" in page
-    assert "python -m pagedattn_kernels.bench" in page
+    assert "python -m pagedkv.bench.sim --rate 2" in page
+    assert "python -m pagedkv.bench.kernels" in page
     assert "30.5" in page and "0.96" in page and "7.25" in page  # the per-policy table
     assert "4.123" in page and "0.87" in page  # the scalar figures
     assert "abc1234" in page

@@ -1,4 +1,4 @@
-"""Each of the five distributions builds a wheel with the right layout, and the kvblocks wheel
+"""Each of the six distributions builds a wheel with the right layout, and the kvblocks wheel
 installs and works alone in a fresh virtual environment (no system site packages).
 
 Why: the packages are separately installable; an editable checkout hides packaging mistakes (a
@@ -19,6 +19,8 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +35,7 @@ PACKAGES = {
     "scheduler": ("pagedkv_scheduler", "pagedkv/scheduler", "src/pagedkv/scheduler/__about__.py"),
     "engine": ("pagedkv_engine", "pagedkv/engine", "src/pagedkv/engine/__about__.py"),
     "server": ("pagedkv_server", "pagedkv/server", "src/pagedkv/server/__about__.py"),
+    "bench": ("pagedkv_bench", "pagedkv/bench", "src/pagedkv/bench/__about__.py"),
 }
 
 pytestmark = pytest.mark.slow
@@ -90,6 +93,56 @@ def test_wheel_layout_and_metadata(wheels: dict[str, Path], folder: str) -> None
     for req in meta.get_all("Requires-Dist") or []:
         version_part = req.split(";")[0]  # the environment marker may well contain ==
         assert "==" not in version_part, f"{folder}: pinned {req!r}; use a compatible range"
+
+
+def _metadata(wheels: dict[str, Path], folder: str):
+    dist = PACKAGES[folder][0]
+    with zipfile.ZipFile(wheels[folder]) as z:
+        info = f"{dist}-{_version(folder)}.dist-info/"
+        meta = Parser().parsestr(z.read(info + "METADATA").decode())
+        names = set(z.namelist())
+        entry_points = (
+            z.read(info + "entry_points.txt").decode() if info + "entry_points.txt" in names else ""
+        )
+    return meta, entry_points
+
+
+def _requires(meta) -> dict[str, Requirement]:
+    """Requirement name -> its Requires-Dist line, parsed."""
+    reqs = (Requirement(r) for r in meta.get_all("Requires-Dist") or [])
+    return {r.name: r for r in reqs}
+
+
+def test_benchmarks_live_in_pagedkv_bench_only(wheels: dict[str, Path]) -> None:
+    """The libraries' wheels hold no benchmark and need nothing only a benchmark used; the bench
+    wheel needs its siblings in compatible ranges, has the server and matplotlib as extras, and
+    registers `pagedkv bench ...` and `pagedkv simulate`."""
+    for folder in ("kvblocks", "pagedattn-kernels", "scheduler", "engine", "server"):
+        with zipfile.ZipFile(wheels[folder]) as z:
+            code = [n for n in z.namelist() if n.endswith(".py")]
+        leaves = {n: n.rsplit("/", 1)[-1] for n in code}
+        benches = [n for n, f in leaves.items() if "bench" in n or f in ("sim.py", "workloads.py")]
+        assert benches == [], f"{folder}: {benches}"
+    server, server_eps = _metadata(wheels, "server")
+    assert "pagedkv-scheduler" not in _requires(server)
+    assert "bench_subcommands" not in server_eps
+    scheduler, _ = _metadata(wheels, "scheduler")
+    assert (scheduler.get_all("Provides-Extra") or []) == []
+    assert list(_requires(scheduler)) == ["kvblocks"]
+    bench, bench_eps = _metadata(wheels, "bench")
+    req = _requires(bench)
+    for sibling in ("kvblocks", "pagedattn-kernels", "pagedkv-scheduler", "pagedkv-engine"):
+        assert req[sibling].specifier == SpecifierSet(">=0.1,<0.2"), req[sibling]
+        assert req[sibling].marker is None  # required, not an extra
+    assert req["pagedkv-server"].marker.evaluate({"extra": "serve"})
+    assert not req["pagedkv-server"].marker.evaluate({"extra": ""})
+    assert req["matplotlib"].marker.evaluate({"extra": "plot"})
+    assert sorted(bench.get_all("Provides-Extra")) == ["plot", "serve"]
+    for line in ("simulate = pagedkv.bench.sim:register",
+                 "throughput = pagedkv.bench.throughput:register",
+                 "sharing = pagedkv.bench.sharing:register",
+                 "serve = pagedkv.bench.serve:register"):  # fmt: skip
+        assert line in bench_eps
 
 
 def test_kvblocks_wheel_contents_and_no_dependencies(wheels: dict[str, Path]) -> None:

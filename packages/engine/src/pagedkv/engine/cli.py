@@ -1,8 +1,10 @@
 """The `pagedkv` command line: one command with subcommands.
 
-`generate`, `chat`, `bench throughput`, `bench sharing` and `simulate` live here. Other
-distributions add subcommands (the server adds `serve` and `bench serve`) through the entry
-point group `pagedkv.subcommands`, so the engine never imports them.
+`generate` and `chat` live here. Other distributions add subcommands through entry points, so
+the engine never imports them: the group `pagedkv.subcommands` adds top-level commands (the
+server's `serve`, pagedkv-bench's `simulate`), the group `pagedkv.bench_subcommands` adds
+`pagedkv bench X` (pagedkv-bench's `throughput`, `sharing` and `serve`). Without pagedkv-bench,
+`pagedkv bench` and `pagedkv simulate` say how to install it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ logger = logging.getLogger("pagedkv")
 
 ENTRY_POINT_GROUP = "pagedkv.subcommands"  # register(subparsers): adds a top-level subcommand
 BENCH_ENTRY_POINT_GROUP = "pagedkv.bench_subcommands"  # register(subparsers): adds `pagedkv bench X`
+BENCH_INSTALL_HINT = (
+    "needs the pagedkv-bench package, which is not installed: pip install pagedkv-bench "
+    "(from a checkout: pip install packages/bench)"
+)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -91,22 +97,16 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from pagedkv.engine.benchmarks.throughput import run_throughput_cli
-
-    return run_throughput_cli(args)
-
-
-def _cmd_bench_sharing(args: argparse.Namespace) -> int:
-    from pagedkv.engine.benchmarks.sharing import run_sharing_cli
-
-    return run_sharing_cli(args)
+def _cmd_needs_bench(args: argparse.Namespace) -> int:
+    print(f"pagedkv {args.command}: {BENCH_INSTALL_HINT}", file=sys.stderr)
+    return 1
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    from pagedkv.scheduler import sim
-
-    return int(sim.main(args.sim_args) or 0)
+def _add_needs_bench(sub, name: str, help_text: str) -> None:
+    """A stand-in for a subcommand of pagedkv-bench when that is not installed: whatever the
+    arguments, it says what to install (see `main`, which lets it take any arguments)."""
+    p = sub.add_parser(name, help=f"{help_text} (needs pagedkv-bench)", add_help=False)
+    p.set_defaults(func=_cmd_needs_bench, needs_bench=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,35 +133,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=_cmd_chat, max_tokens=256)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    from pagedkv.engine.benchmarks.sharing import add_sharing_args
-    from pagedkv.engine.benchmarks.throughput import add_throughput_args
+    bench_plugins = _entry_points(BENCH_ENTRY_POINT_GROUP)
+    if bench_plugins:
+        bench = sub.add_parser("bench", help="benchmarks (pagedkv-bench)")
+        bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+        _load_plugins(bench_plugins, BENCH_ENTRY_POINT_GROUP, bench_sub)
+    else:
+        _add_needs_bench(sub, "bench", "benchmarks")
 
-    thr = bench_sub.add_parser("throughput", help="offline throughput, optionally against transformers")
-    add_throughput_args(thr)
-    EngineArgs.add_cli_args(thr)
-    thr.set_defaults(func=_cmd_bench_throughput)
-
-    sharing = bench_sub.add_parser(
-        "sharing", help="KV blocks used with sharing vs without (parallel sampling, beam search)"
-    )
-    add_sharing_args(sharing)
-    EngineArgs.add_cli_args(sharing)
-    sharing.set_defaults(func=_cmd_bench_sharing)
-
-    sim = sub.add_parser("simulate", help="trace-driven scheduler simulation (pagedkv.scheduler.sim)",
-                         add_help=False)
-    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="options of python -m pagedkv.scheduler.sim")
-    sim.set_defaults(func=_cmd_simulate)
-
-    _load_plugins(ENTRY_POINT_GROUP, sub)
-    _load_plugins(BENCH_ENTRY_POINT_GROUP, bench_sub)
+    _load_plugins(_entry_points(ENTRY_POINT_GROUP), ENTRY_POINT_GROUP, sub)
+    if "simulate" not in sub.choices:
+        _add_needs_bench(sub, "simulate", "scheduler simulation")
     return parser
 
 
-def _load_plugins(group: str, subparsers) -> None:
-    for ep in sorted(entry_points(group=group), key=lambda e: e.name):
+def _entry_points(group: str) -> list:
+    """The installed entry points of `group`, by name."""
+    return sorted(entry_points(group=group), key=lambda e: e.name)
+
+
+def _load_plugins(eps: list, group: str, subparsers) -> None:
+    for ep in eps:
         try:
             ep.load()(subparsers)
         except Exception as exc:  # a broken plugin must not take the whole CLI down
@@ -170,7 +162,9 @@ def _load_plugins(group: str, subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "needs_bench", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,4 +1,5 @@
-"""Request traces for the simulator: Poisson arrivals and input/output lengths.
+"""Request traces for the simulator and the benchmarks' `--workload`: Poisson arrivals and
+input/output lengths.
 
 Why synthetic: the PagedAttention paper's traces (ShareGPT, Alpaca) cannot be downloaded at run
 time, and what matters for memory is the length distribution. The named workloads draw lengths

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.engine.benchmarks.roofline import Hardware, ModelCost, roofline_report
+from pagedkv.bench.roofline import Hardware, ModelCost, roofline_report
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.model_loader import load_model
 

@@ -1,6 +1,6 @@
 """Hot-path benchmark: CPU time of one schedule() + update() in steady decode.
 
-``python -m pagedkv.scheduler.bench`` builds 256 running sequences of about 1k tokens (prompts
+``python -m pagedkv.bench.scheduler`` builds 256 running sequences of about 1k tokens (prompts
 prefilled first, untimed), then times decode steps: schedule(), and update() with one sampled
 token per sequence. Prints a table and, last, one line of JSON with ``schedule_update_ms`` (the
 median). The goal is under 1 ms on the CI machine (2 cores), so the scheduler never bounds the GPU.
@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 
+from pagedkv.bench.env import environment
 from pagedkv.scheduler.__about__ import __version__
-from pagedkv.scheduler._env import environment
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.request import RequestParams
 from pagedkv.scheduler.scheduler import Scheduler
@@ -91,7 +89,8 @@ def run(num_seqs: int, prompt_len: int, block_size: int, steps: int, warmup: int
 def _block_manager_only(sched: Scheduler, steps: int, warmup: int) -> list[int]:
     """Baseline: the block-manager calls a decode step cannot avoid (record the sampled token,
     reserve its slot, fetch the block table) for the same sequences, with no scheduling logic.
-    The scheduler's cost above it is its own bookkeeping."""
+    The scheduler's cost above it is its own bookkeeping. The only code here that calls the
+    block manager directly: adapt it when kvblocks' API changes."""
     bm = sched.block_manager
     ids = [s.seq_id for g in sched.running for s in g.seqs]
     append, grow, table = bm.append_token_ids, bm.grow, bm.block_table_ref
@@ -111,19 +110,20 @@ def _block_manager_only(sched: Scheduler, steps: int, warmup: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.scheduler.bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench.scheduler", description=__doc__)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=800)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
-    args_list = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(args_list)
+    args = ap.parse_args(argv)
     if args.num_seqs < 1 or args.prompt_len < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--num-seqs, --prompt-len and --steps must be >= 1, --warmup >= 0")
     res = run(args.num_seqs, args.prompt_len, args.block_size, args.steps, args.warmup)
-    res.update(environment())
-    res["command"] = shlex.join(["python", "-m", "pagedkv.scheduler.bench", *args_list])
+    env = environment(argv=argv, prog="python -m pagedkv.bench.scheduler")
+    res.update(env)
+    res["scheduler_version"] = env["packages"].get("pagedkv-scheduler", "unknown")
+    res["kvblocks_version"] = env["packages"].get("kvblocks", "unknown")
     print(f"pagedkv.scheduler {__version__} hot path, Python {res['python']} on {res['machine']}")
     print(
         f"{args.num_seqs} running decode sequences, ~{res['mean_context_tokens']:.0f} tokens each, "

@@ -1,12 +1,15 @@
-"""`pagedkv bench throughput`: offline throughput of the engine, and of transformers on the
-same requests in the same run.
+"""`pagedkv bench throughput` (or `python -m pagedkv.bench.throughput`): offline throughput of
+the engine, and of transformers on the same requests in the same run.
 
 Requests are random token ids with lengths from a named workload (the same seeded generator
-the scheduler's simulator uses) or fixed `--input-len/--output-len`; every request runs to its
-output length (`ignore_eos`), so every system does the same work. The transformers baseline is
-`generate` with static, left-padded batches in arrival order at each batch size given; the best
-one is the baseline. With `--baseline hf-cb` transformers' continuous-batching `generate_batch`
-runs too.
+the simulator uses, :mod:`pagedkv.bench.workloads`) or fixed `--input-len/--output-len`; every
+request runs to its output length (`ignore_eos`), so every system does the same work. The
+transformers baseline is `generate` with static, left-padded batches in arrival order at each
+batch size given; the best one is the baseline. With `--baseline hf-cb` transformers'
+continuous-batching `generate_batch` runs too.
+
+The engine is driven through its public API (`LLMEngine`, `add_request`, `step`); the few engine
+internals the roofline needs are read in one marked section below (`_PassRecorder` and friends).
 """
 
 from __future__ import annotations
@@ -14,16 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pagedkv.engine.benchmarks.common import (
-    environment,
+from pagedkv.bench.common import (
+    engine_benchmark_parser,
     print_json_line,
     print_table,
+    run_engine_benchmark,
     triton_compiles,
 )
+from pagedkv.bench.env import environment
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +93,7 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
             reqs.append(BenchRequest(ids, int(r["output_len"])))
     else:
         if args.workload:
-            from pagedkv.scheduler.workloads import sample_lengths
+            from pagedkv.bench.workloads import sample_lengths
 
             lengths = sample_lengths(args.workload, args.num_prompts, seed=args.workload_seed)
         else:
@@ -99,6 +106,55 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
             [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in reqs]
         ))
     return reqs
+
+
+# --- engine internals: the one place this benchmark reaches inside the engine ---------------
+# The roofline needs each forward pass's shape and time. The runner logs (tokens, seqs,
+# kv_tokens, pairs) per pass in `runner.step_log` when that is a list, and on a GPU the pass's
+# CUDA events in `runner.step_gpu_events`; the KV block count and the torch model come from the
+# runner too. When the engine offers a public step observer, only this section changes.
+
+
+class _PassRecorder:
+    """Collects the forward passes of the steps of one run (with `record`; else does nothing)."""
+
+    def __init__(self, engine: Any, record: bool) -> None:
+        self._runner = engine.runner
+        self._runner.step_log = [] if record else None
+        self._runner.step_gpu_events.clear()
+        self._gpu_events: list[Any] = []
+        self._last = time.perf_counter()
+        self.passes: list[tuple[int, int, int, int]] = []
+        self.step_seconds: list[float] = []
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def after_step(self) -> None:
+        now = time.perf_counter()
+        runner = self._runner
+        if runner.step_log:
+            self.passes.append(runner.step_log.pop())
+            self.step_seconds.append(now - self._last)
+            if runner.step_gpu_events:
+                self._gpu_events.append(runner.step_gpu_events.pop())
+        self._last = now
+
+    def finish(self) -> list[float]:
+        """Stop logging; the device time of each recorded pass (empty off the GPU)."""
+        self._runner.step_log = None
+        return [a.elapsed_time(b) / 1e3 for a, b in self._gpu_events]  # all done: the run synced
+
+
+def _num_gpu_blocks(engine: Any) -> int:
+    return engine.runner.num_gpu_blocks
+
+
+def _torch_model(engine: Any) -> Any:
+    return engine.runner.model
+
+
+# --------------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -115,12 +171,7 @@ def run_pagedkv(engine, reqs: list[BenchRequest], *, record: bool = False) -> Pa
     forward pass and time for the roofline."""
     from pagedkv.engine.sampling_params import SamplingParams
 
-    runner = engine.runner
-    runner.step_log = [] if record else None
-    runner.step_gpu_events.clear()
-    gpu_events = []
-    step_seconds: list[float] = []
-    passes: list[tuple[int, int, int, int]] = []
+    recorder = _PassRecorder(engine, record)
     produced = 0
     start = time.perf_counter()
     for i, r in enumerate(reqs):
@@ -130,26 +181,19 @@ def run_pagedkv(engine, reqs: list[BenchRequest], *, record: bool = False) -> Pa
                            detokenize=False),
         )
     bar = _progress(len(reqs), "pagedkv")
-    last = time.perf_counter()
+    recorder.start()
     while engine.has_unfinished_requests():
         outs = engine.step()
         if record:
-            now = time.perf_counter()
-            if runner.step_log:
-                passes.append(runner.step_log.pop())
-                step_seconds.append(now - last)
-                if runner.step_gpu_events:
-                    gpu_events.append(runner.step_gpu_events.pop())
-            last = now
+            recorder.after_step()
         for o in outs:
             if o.finished:
                 produced += len(o.outputs[0].token_ids)
                 bar.update(1)
     secs = time.perf_counter() - start
     bar.close()
-    runner.step_log = None
-    gpu_seconds = [a.elapsed_time(b) / 1e3 for a, b in gpu_events]  # all done: the run synced
-    return PagedRun(secs, produced, passes, step_seconds, gpu_seconds)
+    gpu_seconds = recorder.finish()
+    return PagedRun(secs, produced, recorder.passes, recorder.step_seconds, gpu_seconds)
 
 
 def _progress(total: int, desc: str):
@@ -310,7 +354,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     print(f"model {mc.name} ({mc.architecture}, {mc.num_layers} layers, dtype {mc.dtype}) on "
           f"{engine.device}; {len(reqs)} requests, {n_in} prompt and {n_out} output tokens "
           f"(mean {n_in / len(reqs):.0f} in, {n_out / len(reqs):.0f} out); "
-          f"{engine.runner.num_gpu_blocks} KV blocks; env {env}")
+          f"{_num_gpu_blocks(engine)} KV blocks; env {env}")
 
     run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up: kernels, allocator, graphs
     with triton_compiles() as compiled:
@@ -328,17 +372,17 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "model": mc.name, "dtype": str(mc.dtype).removeprefix("torch."),
                     "workload": args.workload or ("dataset" if args.dataset else
                                                   f"fixed {args.input_len}/{args.output_len}"),
-                    "num_gpu_blocks": engine.runner.num_gpu_blocks,
+                    "num_gpu_blocks": _num_gpu_blocks(engine),
                     "max_num_seqs": engine.args.max_num_seqs,
                     "triton_compiles_during_run": len(compiled), "env": env}
 
     if args.roofline if args.roofline is not None else cuda:
         if not cuda:
             raise ValueError("--roofline measures a GPU; this run is on the CPU")
-        from pagedkv.engine.benchmarks.roofline import ModelCost, measure_hardware, roofline_report
+        from pagedkv.bench.roofline import ModelCost, measure_hardware, roofline_report
 
         hw = measure_hardware(engine.device, mc.dtype)
-        cost = ModelCost.of(engine.runner.model, mc, mc.kv_bytes_per_token(),
+        cost = ModelCost.of(_torch_model(engine), mc, mc.kv_bytes_per_token(),
                             engine.args.tensor_parallel_size)
         result.update(roofline_report(cost, hw, run.passes, run.step_seconds, secs,
                                       gpu_seconds=run.gpu_seconds))
@@ -475,3 +519,32 @@ def profile_pagedkv(engine, reqs: list[BenchRequest]) -> None:
     if engine.device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
                                         max_name_column_width=60))
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    from pagedkv.engine.arg_utils import EngineArgs
+
+    add_throughput_args(p)
+    EngineArgs.add_cli_args(p)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `throughput` under `pagedkv bench` (entry point group `pagedkv.bench_subcommands`)."""
+    p = subparsers.add_parser(
+        "throughput", help="offline throughput, optionally against transformers"
+    )
+    _add_args(p)
+    p.set_defaults(func=run_throughput_cli)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedkv.bench.throughput`: the same options as `pagedkv bench throughput`
+    (for a checkout on the path, where no entry point is installed)."""
+    p = engine_benchmark_parser("python -m pagedkv.bench.throughput", __doc__.split("\n\n")[0])
+    _add_args(p)
+    return run_engine_benchmark(p.parse_args(argv), run_throughput_cli, "pagedkv bench throughput")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,6 @@
-"""`pagedkv bench serve` against the live CPU server: it prints vLLM's table and ends with one
-JSON line whose figures agree with the run (every request completed, latencies ordered)."""
+"""`pagedkv bench serve` (`pagedkv.bench.serve`) against the live CPU server: it prints vLLM's
+table and ends with one JSON line whose figures agree with the run (every request completed,
+latencies ordered)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 
 import pytest
 
-from pagedkv.server import bench_serve
+from pagedkv.bench import serve as bench_serve
 
 from .conftest import RunningServer, pagedkv_command
 

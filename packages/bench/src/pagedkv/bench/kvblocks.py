@@ -1,4 +1,4 @@
-"""Benchmark of the block manager's hot paths: ``python -m kvblocks.bench``.
+"""Benchmark of the block manager's hot paths: ``python -m pagedkv.bench.kvblocks``.
 
 Why: the scheduler runs the block bookkeeping of every running sequence on every decode step,
 on the CPU, between GPU forward passes; if it is slow, the GPU waits. This measures
@@ -18,6 +18,9 @@ because on a busy machine the wall clock also counts time the process spent desc
 
 Prints the setup and a table, and ends with one JSON line (medians in microseconds):
 ``{"decode_step_us": ..., "prefix_lookup_us": ..., ...}``.
+
+The block-manager calls sit in one marked section (``_admit``, ``_decode_step``, ``_fork``,
+``_num_free``), so a change of kvblocks' API is adapted there.
 """
 
 from __future__ import annotations
@@ -26,14 +29,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from kvblocks.__about__ import __version__
-from kvblocks.manager import BlockManager
+from kvblocks import BlockManager, __version__
+from pagedkv.bench.env import environment
 
 __all__ = ["main", "run"]
 
@@ -55,6 +56,39 @@ class _Floor:
         return ()
 
 
+# --- the block-manager API this benchmark uses: adapt here when it changes -------------------
+
+
+def _admit(m: BlockManager, seq_id: int, token_ids: list[int]) -> None:
+    """A sequence past its prefill: blocks allocated for its tokens, their slots reserved."""
+    m.allocate(seq_id, token_ids)
+    m.grow(seq_id, len(token_ids))
+
+
+def _decode_step(m: BlockManager, seq_ids: list[int], token: list[int]) -> int:
+    """One decode step's bookkeeping: each sequence records its sampled token and reserves the
+    slot for it. Returns how many sequences needed a copy-on-write."""
+    append, grow = m.append_token_ids, m.grow
+    ncopy = 0
+    for s in seq_ids:
+        append(s, token)
+        if grow(s, 1):
+            ncopy += 1
+    return ncopy
+
+
+def _fork(m: BlockManager, parent_id: int, child_id: int) -> None:
+    """A child sharing all of the parent's blocks (beam search, parallel sampling)."""
+    m.fork(parent_id, child_id)
+
+
+def _num_free(m: BlockManager) -> int:
+    return m.gpu_pool.num_free
+
+
+# --------------------------------------------------------------------------------------------
+
+
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -68,31 +102,23 @@ def _decode_bench(
     running = list(range(num_seqs))
     for s in running:
         n = max(1, seq_len - s % block_size)
-        m.allocate(s, [s % 1000] * n)
-        m.grow(s, n)
+        _admit(m, s, [s % 1000] * n)
     next_id = num_seqs
     one = [7]
     times: list[float] = []
     cpu_times: list[float] = []
     copies = new_blocks = forks = 0
-    append = m.append_token_ids
-    grow = m.grow
-    pool = m.gpu_pool
     perf = time.perf_counter_ns
     cpu = time.process_time_ns
     for step in range(warmup + steps):
-        free_before = pool.num_free
+        free_before = _num_free(m)
         c0 = cpu()
         t0 = perf()
-        ncopy = 0
-        for s in running:
-            append(s, one)
-            if grow(s, 1):
-                ncopy += 1
+        ncopy = _decode_step(m, running, one)
         if fork_every and step % fork_every == 0:
             j = step % num_seqs
             m.free(running[j])
-            m.fork(running[(j + 1) % num_seqs], next_id)
+            _fork(m, running[(j + 1) % num_seqs], next_id)
             running[j] = next_id
             next_id += 1
         t1 = perf()
@@ -101,7 +127,7 @@ def _decode_bench(
             times.append((t1 - t0) / 1000)
             cpu_times.append((c1 - c0) / 1000)
             copies += ncopy
-            new_blocks += max(0, free_before - pool.num_free)
+            new_blocks += max(0, free_before - _num_free(m))
             forks += bool(fork_every and step % fork_every == 0)
     floor = _Floor(num_seqs)
     ftimes: list[float] = []
@@ -130,8 +156,7 @@ def _prefix_bench(prompt_tokens: int, block_size: int, repeats: int) -> dict[str
     nblocks = prompt_tokens // block_size + 4
     m = BlockManager(block_size=block_size, num_gpu_blocks=2 * nblocks, enable_prefix_caching=True)
     prompt = [(i * 7919) % 50000 for i in range(prompt_tokens)]
-    m.allocate(0, prompt)
-    m.grow(0, prompt_tokens)
+    _admit(m, 0, prompt)
     expected = (prompt_tokens - 1) // block_size * block_size
     perf = time.perf_counter_ns
     peek: list[float] = []
@@ -160,20 +185,6 @@ def _loadavg() -> str:
         return open("/proc/loadavg").read().split()[0]
     except OSError:
         return "n/a"
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def run(
@@ -212,7 +223,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(
-        prog="python -m kvblocks.bench", description=__doc__.split("\n")[0]
+        prog="python -m pagedkv.bench.kvblocks", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -235,11 +246,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prefix_tokens=a.prefix_tokens,
         prefix_repeats=a.prefix_repeats,
     )
-    print(f"kvblocks {__version__} bench (commit {_commit()})")
+    env = environment(argv=argv, prog="python -m pagedkv.bench.kvblocks")
+    print(f"kvblocks {__version__} bench (commit {env['commit']})")
     print(
-        f"python {platform.python_version()} ({platform.python_implementation()}), "
-        f"{platform.machine()} {platform.processor() or platform.platform()}"
+        f"python {env['python']} ({platform.python_implementation()}), "
+        f"{env['machine']} {platform.processor() or env['platform']}"
     )
+    print(f"command: {env['command']}")
     print(
         f"workload: {a.num_seqs} running sequences of ~{a.seq_len} tokens, block size "
         f"{a.block_size}, {a.steps} steps (+{a.warmup} warm-up), one fork+free every "

@@ -1,4 +1,5 @@
-"""`pagedkv bench serve`: load generator for any OpenAI-compatible completions server.
+"""`pagedkv bench serve` (or `python -m pagedkv.bench.serve`): load generator for any
+OpenAI-compatible completions server.
 
 Sends `--num-prompts` streaming requests to `/v1/completions`, arriving as a Poisson process at
 `--request-rate` requests per second (or all at once with `inf`), at most `--max-concurrency`
@@ -9,7 +10,7 @@ chunks) and end-to-end latency, plus request and token throughput. The printout 
 
 Prompts are random token ids (exact input lengths on any server that accepts token-id prompts,
 as OpenAI's API does); lengths are fixed (`--input-len`, `--output-len`) or drawn from a named
-workload of `pagedkv.scheduler.workloads` (ShareGPT-like conversations, Alpaca-like
+workload of `pagedkv.bench.workloads` (ShareGPT-like conversations, Alpaca-like
 instructions) or a file of real lengths.
 Generation runs with `ignore_eos` so each request produces exactly its output length
 (`--no-ignore-eos` for servers that reject the field).
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from pagedkv.bench.env import environment
 
 #: Default bound on normalized latency for `--request-rates`, in seconds per output token.
 #: 0.2 s/token is 5 tokens/s per user over the whole request, queueing and prefill included:
@@ -98,8 +101,8 @@ def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     if args.workload == "random":
         lengths = [(args.input_len, args.output_len)] * args.num_prompts
     else:
-        # The scheduler's named workloads (the simulator and the offline bench use the same).
-        from pagedkv.scheduler.workloads import sample_lengths
+        # The named workloads (the simulator and the offline bench use the same).
+        from pagedkv.bench.workloads import sample_lengths
 
         lengths = sample_lengths(
             args.workload, args.num_prompts, seed=args.seed, max_total=args.max_total_len
@@ -547,7 +550,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         "--workload",
         default="random",
         help="random (default): fixed --input-len/--output-len; sharegpt or alpaca: lengths "
-        "drawn like those datasets' (pagedkv.scheduler.workloads); or a .json/.jsonl file of "
+        "drawn like those datasets' (pagedkv.bench.workloads); or a .json/.jsonl file of "
         "real (input, output) lengths",
     )
     parser.add_argument(
@@ -671,7 +674,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.warmup_requests < 0:
         raise ValueError("--warmup-requests must be >= 0")
     if args.workload != "random":
-        from pagedkv.scheduler.workloads import sample_lengths
+        from pagedkv.bench.workloads import sample_lengths
 
         sample_lengths(args.workload, 0, max_total=args.max_total_len)  # a clear error for a typo
 
@@ -688,16 +691,18 @@ def _json_ready(value: Any) -> Any:
 
 
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedkv.server.__about__ import __version__
+    from pagedkv.bench.__about__ import __version__
 
     options = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    env = environment()
     return {
         "benchmark": "pagedkv bench serve",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "client": f"Python {platform.python_version()} on {platform.machine()}, "
-        f"httpx {httpx.__version__}, pagedkv-server {__version__}",
-        "command": " ".join(sys.argv),
+        "client": f"Python {env['python']} on {env['machine']}, "
+        f"httpx {httpx.__version__}, pagedkv-bench {__version__}",
+        "command": env["command"],
         "options": _json_ready(options),
+        "env": env,
     }
 
 
@@ -842,7 +847,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pagedkv.server.bench_serve", description=__doc__.split("\n\n")[0]
+        prog="python -m pagedkv.bench.serve", description=__doc__.split("\n\n")[0]
     )
     add_bench_serve_args(parser)
     args = parser.parse_args(argv)

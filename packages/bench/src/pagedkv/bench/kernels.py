@@ -1,7 +1,7 @@
 """Benchmark: paged decode and prefill attention against the copy bandwidth and torch SDPA.
 
-    python -m pagedattn_kernels.bench            # on a CUDA GPU: the full set
-    python -m pagedattn_kernels.bench --quick    # CPU smoke run (tiny sizes, torch path)
+    python -m pagedkv.bench.kernels            # on a CUDA GPU: the full set
+    python -m pagedkv.bench.kernels --quick    # CPU smoke run (tiny sizes, torch path)
 
 Measured in one run:
 - copy bandwidth: a device-to-device copy of a 2 GiB tensor, counting bytes read + written
@@ -23,6 +23,9 @@ Measured in one run:
   many outputs are bit-identical to the composition's (``--fused-only`` runs just these).
 Physical blocks are in random order. Times are medians of ``triton.testing.do_bench``
 (CUDA events, L2 flushed between runs). The last line of output is one JSON object.
+
+The kernels are called through the public ``pagedattn_kernels`` API; only the split/tile sweeps
+reach inside (the Triton launch configurations), all through :func:`_tuning`.
 """
 
 from __future__ import annotations
@@ -31,10 +34,7 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedattn_kernels as pk
-from pagedattn_kernels.testing import rel_error
+from pagedkv.bench.env import environment, hardware
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 HIDDEN, INTERMEDIATE = 4096, 14336  # Llama 3 8B
@@ -67,6 +67,44 @@ class Setup:
     contexts: list[int]
     prefill_tokens: list[int]
     quick: bool
+
+
+def _tuning():
+    """The Triton launch internals the sweeps vary (split counts, tile configurations): not
+    public API, and the one place this benchmark reaches inside pagedattn_kernels."""
+    from pagedattn_kernels import triton_ops
+
+    return triton_ops
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere in ``out`` gives inf."""
+    out64 = out.to(device=ref.device, dtype=torch.float64)
+    if not bool(torch.isfinite(out64).all()):
+        return float("inf")
+    denom = float(ref.norm())
+    return float((out64 - ref).norm()) / (denom if denom > 0 else 1.0)
+
+
+_SAME_WIDTH_INT = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance of two tensors of one float dtype in units in the last place (0 =
+    bit-identical, or +0 and -0), int64."""
+    as_int = _SAME_WIDTH_INT[a.dtype]
+    sign_bit = 1 << (torch.finfo(a.dtype).bits - 1)
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        # Sign-magnitude bits -> integers in the same order as the floats they encode.
+        i = t.contiguous().view(as_int).to(torch.int64)
+        return torch.where(i < 0, -(i + sign_bit), i)
+
+    return (ordered(a) - ordered(b.to(a.device))).abs()
 
 
 def _time(fn: Callable[[], object], device: torch.device) -> float:
@@ -354,7 +392,7 @@ def _sweep_decode(
 ) -> list[dict]:
     """Every split count with the default tiles; the other tiles at the first and the
     automatic split count."""
-    from pagedattn_kernels import triton_ops as to
+    to = _tuning()
 
     kc, vc, tables = _paged(setup, batch, context, gen)
     lens = torch.full((batch,), context, dtype=torch.int32, device=setup.device)
@@ -402,7 +440,7 @@ def _sweep_decode(
 
 def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generator,
                    deadline: float) -> list[dict]:  # fmt: skip
-    from pagedattn_kernels import triton_ops as to
+    to = _tuning()
 
     q, kc, vc, tables, lens, cu = _prefill_inputs(setup, tokens, gen)
     out = torch.empty_like(q)
@@ -431,7 +469,7 @@ def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generato
 
 def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) -> dict:
     """Split counts and tile shapes at the headline sizes (GPU only)."""
-    from pagedattn_kernels import triton_ops as to
+    to = _tuning()
 
     decode_cfgs = [
         to.decode_config(setup.head_dim, setup.dtype),
@@ -549,8 +587,6 @@ def _fused_cases(setup: Setup, tokens: int, gen: torch.Generator) -> list[tuple]
 
 
 def bench_fused(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict]:
-    from pagedattn_kernels.testing import ulp_distance
-
     rows = []
     for tokens in [16, 64] if setup.quick else FUSED_TOKENS:
         for op, nbytes, fused, unfused, fused_result, unfused_result in _fused_cases(
@@ -612,22 +648,6 @@ def _fused_headlines(rows: list[dict]) -> dict[str, float | None]:
     }
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB"
-    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
 def _pick(rows: list[dict], key: str, **where) -> float | None:
     for row in rows:
         if all(row.get(k) == v for k, v in where.items()) and key in row:
@@ -637,7 +657,7 @@ def _pick(rows: list[dict], key: str, **where) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
-        prog="python -m pagedattn_kernels.bench", description=__doc__.split("\n")[0]
+        prog="python -m pagedkv.bench.kernels", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, torch path")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
@@ -656,22 +676,14 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit("the benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
         setup = Setup(torch.device("cuda"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, BLOCK,
                       BATCHES, CONTEXTS, PREFILL_TOKENS, False)  # fmt: skip
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    command = "python -m pagedattn_kernels.bench" + (
-        " " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""
-    )
+    env = environment(argv=argv, prog="python -m pagedkv.bench.kernels")
     info = {
-        "hardware": _hardware(setup.device),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "python": platform.python_version(),
-        "commit": args.commit or _commit(),
-        "command": command,
+        "hardware": hardware(setup.device),
+        "torch": env["torch"],
+        "triton": env.get("triton"),
+        "python": env["python"],
+        "commit": args.commit or env["commit"],
+        "command": env["command"],
         "workload": (
             f"{setup.heads} query heads, {setup.kv_heads} KV heads, head dim {setup.head_dim}, "
             f"block size {setup.block}, {str(setup.dtype).removeprefix('torch.')}, "

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from pagedkv.scheduler import bench, sim
-from pagedkv.scheduler.cost_model import CostModel, get_gpu, get_model
-from pagedkv.scheduler.workloads import (
+from pagedkv.bench import scheduler as bench
+from pagedkv.bench import sim
+from pagedkv.bench.cost_model import CostModel, get_gpu, get_model
+from pagedkv.bench.workloads import (
     RequestSpec,
     get_workload,
     load_lengths,
@@ -59,7 +60,7 @@ def test_simulator_reproduces_the_papers_ordering(small_run):
         assert [c["rate"] for c in curve] == [3.0, 4.0]
         assert all(c["normalized_latency_s"] > 0 for c in curve)
     assert res["paged"]["preemptions"] > 0 and res["oracle"]["preemptions"] == 0
-    assert res["command"].startswith("python -m pagedkv.scheduler.sim --rates 3,4")
+    assert res["command"].startswith("python -m pagedkv.bench.sim --rates 3,4")
     # the table lists every policy at every rate
     assert sum(1 for line in text.splitlines() if line.strip().startswith(("3.00", "4.00"))) == 8
 

@@ -1,4 +1,5 @@
-"""`pagedkv bench sharing`: how many KV blocks sharing saves, measured on a real model.
+"""`pagedkv bench sharing` (or `python -m pagedkv.bench.sharing`): how many KV blocks sharing
+saves, measured on a real model.
 
 For parallel sampling (n in {2, 4, 6}) and beam search (width in {2, 4, 6}) the engine runs a
 set of prompts; after every step the blocks actually in use are compared with the blocks the
@@ -10,8 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from typing import Any
 
-from pagedkv.engine.benchmarks.common import environment, print_json_line, print_table
+from pagedkv.bench.common import (
+    engine_benchmark_parser,
+    print_json_line,
+    print_table,
+    run_engine_benchmark,
+)
+from pagedkv.bench.env import environment
 
 logger = logging.getLogger(__name__)
 
@@ -83,3 +92,31 @@ def run_sharing_cli(args: argparse.Namespace) -> int:
     print_json_line({f"{'parallel' if r['mode'].startswith('parallel') else 'beam'}_{r['width']}_saving_pct":
                      round(r["saving_pct"], 2) for r in rows})
     return 0
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    from pagedkv.engine.arg_utils import EngineArgs
+
+    add_sharing_args(p)
+    EngineArgs.add_cli_args(p)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `sharing` under `pagedkv bench` (entry point group `pagedkv.bench_subcommands`)."""
+    p = subparsers.add_parser(
+        "sharing", help="KV blocks used with sharing vs without (parallel sampling, beam search)"
+    )
+    _add_args(p)
+    p.set_defaults(func=run_sharing_cli)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedkv.bench.sharing`: the same options as `pagedkv bench sharing`."""
+    p = engine_benchmark_parser("python -m pagedkv.bench.sharing", __doc__.split("\n\n")[0])
+    _add_args(p)
+    return run_engine_benchmark(p.parse_args(argv), run_sharing_cli, "pagedkv bench sharing")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

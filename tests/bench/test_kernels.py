@@ -20,7 +20,7 @@ KEYS = (
 @pytest.mark.slow
 def test_bench_quick_runs():
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedattn_kernels.bench", "--quick"],
+        [sys.executable, "-m", "pagedkv.bench.kernels", "--quick"],
         capture_output=True,
         text=True,
         timeout=300,

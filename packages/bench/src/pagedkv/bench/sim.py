@@ -1,6 +1,7 @@
 """Trace-driven simulator: this scheduler (paged) against contiguous-reservation baselines.
 
-``python -m pagedkv.scheduler.sim`` replays Poisson arrivals of a workload through
+``python -m pagedkv.bench.sim`` (or ``pagedkv simulate``) replays Poisson arrivals of a workload
+through
 
 * ``paged``: the real :class:`~pagedkv.scheduler.Scheduler` over a real
   :class:`kvblocks.BlockManager` (blocks on demand, preemption by recompute/swap);
@@ -13,7 +14,7 @@
 
 Every policy sees the same requests, the same KV memory (model config x KV budget: OPT-13B with
 12 GiB = 800 KiB per token = 15.7k token slots, the PagedAttention paper's single-GPU setup) and
-the same iteration cost model (:mod:`pagedkv.scheduler.cost_model`). Reported per policy and
+the same iteration cost model (:mod:`pagedkv.bench.cost_model`). Reported per policy and
 rate: the average number of requests in a batch and the KV utilization (slots holding data /
 slots allocated or reserved), both time-weighted over the iterations that start before the last
 arrival (the steady state, not the drain), preemptions, normalized latency (mean of end-to-end
@@ -25,17 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
-import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pagedkv.scheduler.__about__ import __version__
-from pagedkv.scheduler._env import environment
-from pagedkv.scheduler.config import SchedulerConfig
-from pagedkv.scheduler.cost_model import (
+from pagedkv.bench.cost_model import (
     CostModel,
     GPUSpec,
     ModelSpec,
@@ -44,15 +41,20 @@ from pagedkv.scheduler.cost_model import (
     gpu_names,
     model_names,
 )
+from pagedkv.bench.env import environment
+from pagedkv.bench.workloads import RequestSpec, make_requests, workload_names
+from pagedkv.scheduler.__about__ import __version__
+from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.request import RequestParams
 from pagedkv.scheduler.scheduler import Scheduler
-from pagedkv.scheduler.workloads import RequestSpec, make_requests, workload_names
 
 __all__ = [
     "POLICIES",
     "PolicyResult",
     "SimSetup",
+    "add_sim_args",
     "main",
+    "register",
     "run_policy",
     "simulate_paged",
     "simulate_reservation",
@@ -346,11 +348,17 @@ def _floats(text: str) -> list[float]:
     return vals
 
 
+_DESCRIPTION = "Simulate paged scheduling against contiguous-reservation baselines."
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m pagedkv.scheduler.sim",
-        description="Simulate paged scheduling against contiguous-reservation baselines.",
-    )
+    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench.sim", description=_DESCRIPTION)
+    add_sim_args(ap)
+    return ap
+
+
+def add_sim_args(ap: argparse.ArgumentParser) -> None:
+    """The simulator's options (`python -m pagedkv.bench.sim` and `pagedkv simulate`)."""
     ap.add_argument(
         "--workload",
         default="sharegpt",
@@ -386,6 +394,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", default=None, help="save a PNG plot here (needs matplotlib)")
     ap.add_argument("--output", default=None, help="also write the JSON result to this file")
     ap.add_argument("--progress", action="store_true", help="log each run as it finishes")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `pagedkv simulate` (entry point group `pagedkv.subcommands`) with the simulator's own
+    options, so `pagedkv simulate --workload alpaca --rates 2,4` parses as the module does."""
+    ap = subparsers.add_parser(
+        "simulate",
+        help="trace-driven scheduler simulation: paging vs contiguous reservation",
+        description=_DESCRIPTION,
+    )
+    add_sim_args(ap)
+    ap.set_defaults(func=lambda args: run(args, ap))
     return ap
 
 
@@ -440,9 +460,15 @@ def plot(result: dict, path: str | Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args_list = sys.argv[1:] if argv is None else argv
     ap = _parser()
-    args = ap.parse_args(args_list)
+    return run(ap.parse_args(argv), ap, argv)
+
+
+def run(
+    args: argparse.Namespace, ap: argparse.ArgumentParser, argv: list[str] | None = None
+) -> int:
+    """Simulate what `args` (parsed by `ap`, which reports bad values) asks; `argv`, when the
+    options were given in code, is recorded as the command (else this process's command line)."""
     logging.basicConfig(
         level=logging.INFO if args.progress else logging.WARNING, format="%(message)s"
     )
@@ -513,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
                 res.wall_s,
             )
     wall = time.perf_counter() - wall
+    env = environment(argv=argv, prog="python -m pagedkv.bench.sim")
+    versions = env["packages"]
 
     some = traces[main_rate]
     mean_in = sum(q.prompt_len for q in some) / max(1, len(some))
@@ -559,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
                 **asdict(gpu),
                 "num_params": model.num_params,
             },
-            **environment(),
+            **{k: v for k, v in env.items() if k != "command"},
+            "scheduler_version": versions.get("pagedkv-scheduler", "unknown"),
+            "kvblocks_version": versions.get("kvblocks", "unknown"),
         },
         "main_rate": main_rate,
     }
@@ -584,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                 for x in [results[p][r]]
             ],
         }
-    out["command"] = shlex.join(["python", "-m", "pagedkv.scheduler.sim", *args_list])
+    out["command"] = env["command"]
     out["sim_wall_s"] = round(wall, 1)
     if args.plot and plot(out, args.plot):
         print(f"plot written to {args.plot}")

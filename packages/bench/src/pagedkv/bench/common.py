@@ -1,0 +1,87 @@
+"""Output helpers shared by the engine benchmarks: a readable table, the closing JSON line, and
+the Triton compiles that happen inside a timed run. (Their setup: :mod:`pagedkv.bench.env`.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """The names of the Triton kernel variants compiled inside the block, in order. A compile
+    inside a timed run is a pass stalled for about a second: a benchmark reports these. Stays
+    empty without triton, or with a triton that has no compile hook (before 3.4)."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        previous = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        yield names
+        return
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(*args, **kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        runtime.jit_post_compile_hook = previous
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.2f}"
+        return str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+
+
+def print_json_line(payload: dict[str, Any]) -> None:
+    print(json.dumps(payload, sort_keys=True))
+
+
+def engine_benchmark_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser of `python -m pagedkv.bench.X` for an engine benchmark: `--log-level` as the
+    `pagedkv` command has it; the caller adds the benchmark's and the engine's options."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    return parser
+
+
+def run_engine_benchmark(
+    args: argparse.Namespace, run: Callable[[argparse.Namespace], int], name: str
+) -> int:
+    """Run an engine benchmark from `python -m pagedkv.bench.X` as `pagedkv` runs its commands:
+    logging set up, a torchrun rank > 0 serving as a tensor-parallel worker, a ValueError (a bad
+    option) printed as one line with exit code 2."""
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if getattr(args, "tensor_parallel_size", 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0:
+        from pagedkv.engine.distributed.worker import run_torchrun_worker_cli
+
+        return run_torchrun_worker_cli(args)
+    try:
+        return int(run(args) or 0)
+    except ValueError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
