@@ -6,7 +6,7 @@
 expected.
 
 What differs between model families (shape from the Hugging Face config, RoPE and
-sliding-window rules) comes from the family's line in :mod:`pagedkv.engine.models.registry`.
+sliding-window rules) comes from the family's entry in :mod:`pagedkv.engine.models.registry`.
 """
 
 from __future__ import annotations
@@ -174,12 +174,12 @@ class ModelConfig:
 
     @property
     def model_type(self) -> str:
-        """The Hugging Face ``model_type`` (the key of the family's registry line)."""
+        """The Hugging Face ``model_type`` (the key of the family's registry entry)."""
         return self.hf_config.model_type
 
     @property
     def spec(self) -> ModelSpec:
-        """The family's registry line."""
+        """The family's registry entry."""
         return get_spec(self.model_type)
 
     @property

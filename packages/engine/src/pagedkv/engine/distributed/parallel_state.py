@@ -13,7 +13,7 @@ The state lives in one explicit :class:`ParallelContext` object (torch.distribut
 the default group); the model layers get the small, immutable :class:`TPInfo` (defined in
 :mod:`~pagedkv.engine.distributed.communication`, re-exported here).
 
-Which sizes a model splits comes from its family's line in the model registry; this module
+Which sizes a model splits comes from its family's entry in the model registry; this module
 reads only the numbers of a :class:`~pagedkv.engine.config.ModelConfig` (it does not import
 ``config``), and the model code does not import this module.
 """
@@ -208,7 +208,7 @@ def rank_model_config(config: ModelConfig, tp_size: int) -> ModelConfig:
 
 def _split_sizes(config: ModelConfig) -> dict[str, int] | None:
     """The sizes tensor parallelism splits, by their config names (from the family's registry
-    line and the whole model's Hugging Face config); None if the family cannot be split."""
+    entry and the whole model's Hugging Face config); None if the family cannot be split."""
     return get_spec(config.hf_config.model_type).tp_split_sizes(config.hf_config)
 
 

@@ -12,7 +12,7 @@ the same dtype, so the CPU outputs are those of the plain pre-norm formulation, 
 
 A Llama-like family that differs only in which projections carry a bias subclasses
 :class:`LlamaForCausalLM` and overrides :meth:`~LlamaForCausalLM.attention_bias`; what it needs
-outside the model (shape, tensor-parallel split, GGUF names, sliding window) is its line in
+outside the model (shape, tensor-parallel split, GGUF names, sliding window) is its entry in
 ``models/registry.py``.
 """
 

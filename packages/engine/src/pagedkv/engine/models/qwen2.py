@@ -2,7 +2,7 @@
 
 Everything else (RMSNorm, RoPE, SwiGLU, grouped-query attention, loading with fused Q/K/V and
 gate/up, tensor parallelism) is the Llama code. What the engine needs to know outside the model
-is Qwen2's line in ``models/registry.py``: its shape and tensor-parallel split are Llama's, its
+is Qwen2's entry in ``models/registry.py``: its shape and tensor-parallel split are Llama's, its
 GGUF files say ``qwen2`` and are not RoPE-permuted, and its ``sliding_window`` only applies when
 ``use_sliding_window`` is set (the paged kernels attend to the whole context, so the config then
 limits ``max_model_len`` to the window).

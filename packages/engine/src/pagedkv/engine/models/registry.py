@@ -1,6 +1,6 @@
-"""The model families pagedkv runs: one line per Hugging Face ``model_type``.
+"""The model families pagedkv runs: one entry per Hugging Face ``model_type``.
 
-Each line is a :class:`ModelSpec`: which module and class implement the family (imported by name,
+Each entry is a :class:`ModelSpec`: which module and class implement the family (imported by name,
 only when a model is built), and what the rest of the engine must know about it without
 importing torch or any model code: the model's shape from its Hugging Face config, the sizes
 tensor parallelism splits, how its GGUF files name things, and the config checks (RoPE type,
@@ -12,7 +12,7 @@ registry sits below every engine module and no import circle runs through it.
 
 Adding a family: write ``models/<family>.py`` (a class with ``__init__(hf_config, tp=None)``,
 ``forward``, ``compute_logits`` and ``load_weights``; a Llama-like family subclasses
-``LlamaForCausalLM``) and add its line to :data:`MODEL_SPECS`.
+``LlamaForCausalLM``) and add its entry to :data:`MODEL_SPECS`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ class GGUFLayout:
 
     ``config_reader`` names the function of ``weights/gguf.py`` that turns the metadata into the
     keyword arguments of the transformers config class ``config_class``. Tensor names map to
-    Hugging Face names: ``blk.{i}.{kind}.{weight|bias}`` -> ``{block_prefix}.{i}.{block_names[kind]}``
-    and ``{kind}.{weight|bias}`` -> ``{global_names[kind]}``.
+    Hugging Face names: ``blk.{i}.{kind}.{suffix}`` to
+    ``{block_prefix}.{i}.{block_names[kind]}.{suffix}``, ``{kind}.{suffix}`` to
+    ``{global_names[kind]}.{suffix}`` (``suffix``: ``weight`` or ``bias``).
     """
 
     architecture: str
