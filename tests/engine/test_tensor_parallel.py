@@ -97,6 +97,8 @@ def _configs() -> dict[str, Any]:
             vocab_size=251, tie_word_embeddings=False, attention_bias=True, mlp_bias=True, **llama
         ),
         "llama-gqa-tied": tf.LlamaConfig(vocab_size=256, tie_word_embeddings=True, **llama),
+        # its own model file: bias on Q/K/V only, sharded with the heads
+        "qwen2-gqa": tf.Qwen2Config(vocab_size=256, tie_word_embeddings=False, **llama),
         # OPT-350m's layout: LayerNorm after each block, a narrower word embedding projected
         "opt-postnorm-proj": tf.OPTConfig(do_layer_norm_before=False, word_embed_proj_dim=32, **opt),
         "opt-prenorm": tf.OPTConfig(do_layer_norm_before=True, **opt),
@@ -234,6 +236,8 @@ def _unshard(name: str, whole: torch.Tensor, shards: list[torch.Tensor], module)
         ("opt-postnorm-proj", 4, "auto"),
         ("llama-gqa-tied", 2, "dummy"),
         ("opt-prenorm", 2, "dummy"),
+        ("qwen2-gqa", 2, "auto"),
+        ("qwen2-gqa", 2, "dummy"),
     ],
 )
 def test_shards_put_back_together_are_the_whole_weights(checkpoints, name, tp, load_format):
@@ -294,6 +298,25 @@ def test_padded_vocabulary_slice_is_zero_and_ids_map_to_their_rank(checkpoints):
     )
     assert emb1.weight.shape[0] == 126 and torch.all(emb1.weight[125] == 0)
     assert torch.all(ranks[1].lm_head.weight[125] == 0)
+
+
+def test_qwen2_splits_like_llama_with_its_q_k_v_bias_sharded(checkpoints):
+    """Qwen2's split sizes come from its registry entry; each rank holds its heads' slice of
+    the Q, K and V biases and the output projection has none."""
+    config = ModelConfig.from_model(str(checkpoints["qwen2-gqa"]), device="cpu")
+    assert config.model_type == "qwen2" and valid_tp_sizes(config, limit=8) == [1, 2]
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2.*use one of \[1, 2\]"):
+        check_tensor_parallel(config, 4, torch.device("cpu"))
+    whole, ranks = _rank_models(checkpoints["qwen2-gqa"], 2)
+    bias = whole.layers[0].self_attn.qkv_proj.bias
+    q, kv = 64, 32  # 4 query heads and 2 KV heads of 16
+    for r, shard in enumerate(ranks):
+        attn = shard.layers[0].self_attn
+        assert type(shard).__name__ == "Qwen2ForCausalLM" and attn.o_proj.bias is None
+        mine = attn.qkv_proj.bias
+        assert torch.equal(mine[: q // 2], bias[r * q // 2 : (r + 1) * q // 2])
+        assert torch.equal(mine[q // 2 : q // 2 + kv // 2], bias[q + r * kv // 2 :][: kv // 2])
+        assert torch.equal(mine[q // 2 + kv // 2 :], bias[q + kv + r * kv // 2 :][: kv // 2])
 
 
 def test_rank_config_holds_its_share_of_the_heads(checkpoints):
@@ -388,7 +411,7 @@ def test_a_preloaded_model_cannot_be_split(checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-gqa-bias", "opt-postnorm-proj"])
+@pytest.mark.parametrize("name", ["llama-gqa-bias", "opt-postnorm-proj", "qwen2-gqa"])
 def test_tp2_greedy_tokens_equal_tp1(checkpoints, one_thread, name):
     requests = [(p, _greedy()) for p in PROMPTS]
     ref, got = _tp1_vs_tp2(checkpoints[name], requests)

@@ -204,6 +204,58 @@ def test_llama_gguf_with_llamacpp_rope_permutation(
     )
 
 
+def test_qwen2_gguf_with_biases_and_no_rope_permutation(
+    tiny_checkpoint, tiny_prompts, paged_generate, hf_generate, tmp_path
+):
+    """llama.cpp's converter leaves Qwen2's Q and K rows in Hugging Face order (unlike
+    Llama's); the registry's qwen2 layout says so, and the Q/K/V biases load too."""
+    ckpt = tiny_checkpoint("qwen2-bias")
+    hf = ckpt.hf_model.model
+    tensors = {
+        "token_embd.weight": _np(hf.embed_tokens.weight),
+        "output_norm.weight": _np(hf.norm.weight),
+        "output.weight": _np(ckpt.hf_model.lm_head.weight),
+    }
+    for i, layer in enumerate(hf.layers):
+        a, m = layer.self_attn, layer.mlp
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": _np(layer.input_layernorm.weight),
+            f"blk.{i}.attn_q.weight": _np(a.q_proj.weight),
+            f"blk.{i}.attn_q.bias": _np(a.q_proj.bias),
+            f"blk.{i}.attn_k.weight": _np(a.k_proj.weight),
+            f"blk.{i}.attn_k.bias": _np(a.k_proj.bias),
+            f"blk.{i}.attn_v.weight": _np(a.v_proj.weight),
+            f"blk.{i}.attn_v.bias": _np(a.v_proj.bias),
+            f"blk.{i}.attn_output.weight": _np(a.o_proj.weight),
+            f"blk.{i}.ffn_norm.weight": _np(layer.post_attention_layernorm.weight),
+            f"blk.{i}.ffn_gate.weight": _np(m.gate_proj.weight),
+            f"blk.{i}.ffn_up.weight": _np(m.up_proj.weight),
+            f"blk.{i}.ffn_down.weight": _np(m.down_proj.weight),
+        }
+    metadata = {
+        "qwen2.block_count": 2,
+        "qwen2.context_length": 256,
+        "qwen2.embedding_length": 64,
+        "qwen2.feed_forward_length": 128,
+        "qwen2.attention.head_count": 4,
+        "qwen2.attention.head_count_kv": 2,
+        "qwen2.rope.freq_base": float(ckpt.hf_model.config.rope_parameters["rope_theta"]),
+        "qwen2.attention.layer_norm_rms_epsilon": 1e-5,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+    _write_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2", metadata, tensors)
+    config = ModelConfig.from_model(tmp_path / "tiny-qwen2.gguf", device="cpu")
+    assert (config.model_type, config.architecture) == ("qwen2", "llama")
+    model = load_model(config, device="cpu")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    ours = paged_generate(model, config, tiny_prompts, 16)
+    ref = hf_generate(ckpt.hf_model, tiny_prompts, 16)
+    assert ours.tokens == ref.tokens
+    torch.testing.assert_close(
+        torch.stack(ours.logits[3]), torch.stack(ref.logits[3]), atol=1e-4, rtol=0
+    )
+
+
 def test_gpt2_gguf_with_transposed_projections(
     tiny_checkpoint, tiny_prompts, paged_generate, hf_generate, tmp_path
 ):

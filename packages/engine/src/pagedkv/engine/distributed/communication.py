@@ -1,15 +1,36 @@
-"""The collectives of tensor-parallel model layers.
+"""What a tensor-parallel model layer needs: its place in the group (:class:`TPInfo`) and the
+collectives it calls.
 
-Layers call these only when their tensor-parallel size is above one, so a single-device model
-runs exactly the operations it ran before tensor parallelism existed.
+Layers call the collectives only when their tensor-parallel size is above one, so a
+single-device model runs exactly the operations it ran before tensor parallelism existed.
+
+The model code imports this module and nothing else of ``distributed``: process groups and the
+start-time checks (:mod:`~pagedkv.engine.distributed.parallel_state`) sit above the model
+registry, which names the model modules, so the model modules must not reach them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from pagedkv.engine.distributed.parallel_state import TPInfo
+
+@dataclass(frozen=True, slots=True)
+class TPInfo:
+    """What a model layer needs to know: its rank, the number of ranks, and the group of its
+    collectives (``None``: the default group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+
+def tp_rank_size(tp: TPInfo | None) -> tuple[int, int]:
+    """(rank, size) of ``tp``; (0, 1) without tensor parallelism."""
+    return (0, 1) if tp is None else (tp.rank, tp.size)
 
 
 def all_reduce(x: torch.Tensor, tp: TPInfo | None) -> torch.Tensor:

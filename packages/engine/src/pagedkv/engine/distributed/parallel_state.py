@@ -10,7 +10,12 @@ Two groups span the same ranks:
   a dead peer still shows at once (gloo sees the closed connection).
 
 The state lives in one explicit :class:`ParallelContext` object (torch.distributed itself keeps
-the default group); the model layers get the small, immutable :class:`TPInfo`.
+the default group); the model layers get the small, immutable :class:`TPInfo` (defined in
+:mod:`~pagedkv.engine.distributed.communication`, re-exported here).
+
+Which sizes a model splits comes from its family's entry in the model registry; this module
+reads only the numbers of a :class:`~pagedkv.engine.config.ModelConfig` (it does not import
+``config``), and the model code does not import this module.
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.distributed.communication import TPInfo
+from pagedkv.engine.models.registry import get_spec, tensor_parallel_architectures
+
+if TYPE_CHECKING:
+    from pagedkv.engine.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +52,6 @@ NCCL_ENV = MappingProxyType(
 )
 # How long a worker may wait for the driver's next step message: the engine may idle for hours.
 CPU_GROUP_TIMEOUT = timedelta(days=365)
-SUPPORTED_ARCHITECTURES = ("llama", "opt")
 
 
 def apply_nccl_env() -> None:
@@ -51,21 +59,6 @@ def apply_nccl_env() -> None:
     spawned workers inherit it)."""
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
-
-
-@dataclass(frozen=True, slots=True)
-class TPInfo:
-    """What a model layer needs to know: its rank, the number of ranks, and the group of its
-    collectives (``None``: the default group)."""
-
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-
-def tp_rank_size(tp: TPInfo | None) -> tuple[int, int]:
-    """(rank, size) of ``tp``; (0, 1) without tensor parallelism."""
-    return (0, 1) if tp is None else (tp.rank, tp.size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,24 +206,18 @@ def rank_model_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     )
 
 
-def _split_sizes(config: ModelConfig) -> dict[str, int]:
-    """The sizes tensor parallelism splits, by their config names."""
-    cfg = config.hf_config
-    if config.architecture == "opt":
-        return {"num_attention_heads": config.num_heads, "ffn_dim": int(cfg.ffn_dim)}
-    return {
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "intermediate_size": int(cfg.intermediate_size),
-    }
+def _split_sizes(config: ModelConfig) -> dict[str, int] | None:
+    """The sizes tensor parallelism splits, by their config names (from the family's registry
+    entry and the whole model's Hugging Face config); None if the family cannot be split."""
+    return get_spec(config.hf_config.model_type).tp_split_sizes(config.hf_config)
 
 
 def valid_tp_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
     """Tensor-parallel sizes up to ``limit`` that split ``config`` evenly."""
-    if config.architecture not in SUPPORTED_ARCHITECTURES:
+    sizes = _split_sizes(config)
+    if sizes is None:
         return [1]
-    sizes = _split_sizes(config).values()
-    return [n for n in range(1, limit + 1) if all(s % n == 0 for s in sizes)]
+    return [n for n in range(1, limit + 1) if all(s % n == 0 for s in sizes.values())]
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int, device: torch.device) -> None:
@@ -240,12 +227,14 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int, device: torch.devic
         raise ValueError(f"tensor_parallel_size must be >= 1 (got {tp_size})")
     if tp_size == 1:
         return
-    if config.architecture not in SUPPORTED_ARCHITECTURES:
+    sizes = _split_sizes(config)
+    if sizes is None:
+        families = " and ".join(tensor_parallel_architectures())
         raise ValueError(
-            f"tensor parallelism supports the {' and '.join(SUPPORTED_ARCHITECTURES)} families; "
-            f"{config.name} is {config.architecture}: run it with --tensor-parallel-size 1"
+            f"tensor parallelism supports the {families} families; {config.name} is "
+            f"{config.architecture}: run it with --tensor-parallel-size 1"
         )
-    bad = [f"{name}={size}" for name, size in _split_sizes(config).items() if size % tp_size]
+    bad = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
     if bad:
         raise ValueError(
             f"--tensor-parallel-size {tp_size} does not divide {', '.join(bad)} of {config.name}; "

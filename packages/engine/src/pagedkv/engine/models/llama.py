@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, SmolLM2, Mistral and Qwen2-style (bias on Q/K/V) decoders.
+"""The Llama family: Llama 2/3, SmolLM2 and Mistral decoders (Qwen2 subclasses it, ``qwen2.py``).
 
 Pre-norm decoder layers: RMSNorm -> attention with rotary positions -> residual, RMSNorm ->
 SwiGLU MLP -> residual. Q, K and V are one fused projection and gate/up another, so each layer
@@ -9,6 +9,11 @@ The residual stream is carried between layers as vLLM does: a layer takes and re
 ``(x, residual)`` and each residual add happens inside the next norm, which on CUDA is one
 fused kernel (``fused_add_rms_norm``) instead of an add and eight norm kernels. Same sums in
 the same dtype, so the CPU outputs are those of the plain pre-norm formulation, bit for bit.
+
+A Llama-like family that differs only in which projections carry a bias subclasses
+:class:`LlamaForCausalLM` and overrides :meth:`~LlamaForCausalLM.attention_bias`; what it needs
+outside the model (shape, tensor-parallel split, GGUF names, sliding window) is its entry in
+``models/registry.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from torch import nn
 
 from pagedkv.engine.attention import Attention, AttentionMetadata
-from pagedkv.engine.distributed.parallel_state import TPInfo, tp_rank_size
+from pagedkv.engine.distributed.communication import TPInfo, tp_rank_size
 from pagedkv.engine.models.layers import (
     RMSNorm,
     RotaryAngles,
@@ -55,7 +60,9 @@ class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads: Q/K/V column-parallel by head, output
     row-parallel (one rank: all heads)."""
 
-    def __init__(self, cfg: Any, tp: TPInfo | None = None):
+    def __init__(
+        self, cfg: Any, tp: TPInfo | None = None, *, qkv_bias: bool = False, o_bias: bool = False
+    ):
         super().__init__()
         _, size = tp_rank_size(tp)
         total_heads = cfg.num_attention_heads
@@ -63,9 +70,6 @@ class LlamaAttention(nn.Module):
         self.num_heads = divide(total_heads, size, "num_attention_heads")
         self.num_kv_heads = divide(total_kv_heads, size, "num_key_value_heads")
         self.head_dim = _head_dim(cfg)
-        # Llama's attention_bias covers all four projections; Qwen2 has bias on Q/K/V only.
-        qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        o_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type != "qwen2"
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         q_total, kv_total = total_heads * self.head_dim, total_kv_heads * self.head_dim
@@ -115,10 +119,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, tp: TPInfo | None = None):
+    def __init__(
+        self, cfg: Any, tp: TPInfo | None = None, *, qkv_bias: bool = False, o_bias: bool = False
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, tp, qkv_bias=qkv_bias, o_bias=o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
@@ -155,14 +161,23 @@ class LlamaForCausalLM(nn.Module):
     returns the whole vocabulary's logits on rank 0 and None on the others.
     """
 
+    @staticmethod
+    def attention_bias(cfg: Any) -> tuple[bool, bool]:
+        """(bias on the Q/K/V projections, bias on the output projection): Llama's
+        ``attention_bias`` covers all four."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
     def __init__(self, hf_config: Any, tp: TPInfo | None = None):
         super().__init__()
         cfg = hf_config
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        qkv_bias, o_bias = self.attention_bias(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, tp, qkv_bias=qkv_bias, o_bias=o_bias)
+            for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(_head_dim(cfg), rope_inv_freq(cfg, _head_dim(cfg)))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedkv.engine.attention import Attention, AttentionMetadata
-from pagedkv.engine.distributed.parallel_state import TPInfo, tp_rank_size
+from pagedkv.engine.distributed.communication import TPInfo, tp_rank_size
 from pagedkv.engine.models.layers import check_all_loaded, get_activation
 from pagedkv.engine.models.parallel_layers import (
     ColumnParallelLinear,

@@ -30,8 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.engine.distributed.communication import all_reduce, gather_last_dim
-from pagedkv.engine.distributed.parallel_state import TPInfo, tp_rank_size
+from pagedkv.engine.distributed.communication import (
+    TPInfo,
+    all_reduce,
+    gather_last_dim,
+    tp_rank_size,
+)
 from pagedkv.engine.models.layers import copy_weight
 
 

@@ -8,6 +8,11 @@ while a plain parse takes a few milliseconds. Tensor data is memory-mapped and d
 Tensor names are mapped to Hugging Face names so that each model has a single ``load_weights``.
 Two conversions done by llama.cpp's converter are undone: Llama's Q and K rows are permuted for
 llama.cpp's interleaved RoPE layout, and GPT-2's Conv1D weights are stored transposed.
+
+What differs between families (the ``general.architecture`` value, the transformers config
+class, the tensor names, which of the two conversions apply) is each family's
+:class:`~pagedkv.engine.models.registry.GGUFLayout` in the model registry; this module holds
+only the metadata readers those layouts name (:data:`CONFIG_READERS`).
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import logging
 import mmap
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
+
+from pagedkv.engine.models.registry import GGUFLayout, get_gguf_layout
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +62,6 @@ _NUMPY = {
     11: np.int64,
     12: np.float64,
 }
-
-# GGUF general.architecture values we can run
-GGUF_ARCHITECTURES = ("llama", "qwen2", "gpt2")
-
 
 @dataclass(frozen=True, slots=True)
 class GGUFTensorInfo:
@@ -163,12 +167,13 @@ def _parse_header(path: Path, buf: memoryview) -> GGUFHeader:
 # --------------------------------------------------------------------------- config
 
 
-def check_gguf_architecture(header: GGUFHeader) -> None:
-    if header.architecture not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {header.architecture!r} ({header.path.name}) is not supported; "
-            f"supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"
-        )
+def gguf_layout(header: GGUFHeader) -> GGUFLayout:
+    """The registry's layout for the file's ``general.architecture``; ``ValueError`` naming it,
+    the file and the supported architectures otherwise."""
+    try:
+        return get_gguf_layout(header.architecture)
+    except ValueError as exc:
+        raise ValueError(f"{header.path.name}: {exc}") from None
 
 
 def gguf_to_hf_config(header: GGUFHeader) -> Any:
@@ -176,8 +181,7 @@ def gguf_to_hf_config(header: GGUFHeader) -> Any:
     loader derives, without re-reading the file)."""
     import transformers
 
-    check_gguf_architecture(header)
-    arch = header.architecture
+    layout = gguf_layout(header)
     a = header.arch_value
     embd = header.tensors.get("token_embd.weight")
     vocab_size = embd.shape[1] if embd is not None else a("vocab_size")
@@ -190,16 +194,25 @@ def gguf_to_hf_config(header: GGUFHeader) -> Any:
         "eos_token_id": header.metadata.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": header.metadata.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch == "gpt2":
-        return transformers.GPT2Config(
-            n_positions=int(a("context_length")),
-            n_embd=int(a("embedding_length")),
-            n_layer=int(a("block_count")),
-            n_head=int(a("attention.head_count")),
-            n_inner=int(a("feed_forward_length")),
-            layer_norm_epsilon=float(a("attention.layer_norm_epsilon", 1e-5)),
-            **common,
-        )
+    kwargs = CONFIG_READERS[layout.config_reader](header)
+    return getattr(transformers, layout.config_class)(**kwargs, **common)
+
+
+def _gpt2_config(header: GGUFHeader) -> dict[str, Any]:
+    a = header.arch_value
+    return {
+        "n_positions": int(a("context_length")),
+        "n_embd": int(a("embedding_length")),
+        "n_layer": int(a("block_count")),
+        "n_head": int(a("attention.head_count")),
+        "n_inner": int(a("feed_forward_length")),
+        "layer_norm_epsilon": float(a("attention.layer_norm_epsilon", 1e-5)),
+    }
+
+
+def _decoder_config(header: GGUFHeader) -> dict[str, Any]:
+    """Llama-style decoders (llama.cpp's ``llama``, ``qwen2``, ...)."""
+    a = header.arch_value
     num_heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
     kwargs: dict[str, Any] = {
@@ -212,71 +225,38 @@ def gguf_to_hf_config(header: GGUFHeader) -> Any:
         "max_position_embeddings": int(a("context_length", 2048)),
         "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(a("rope.freq_base", 10000.0)),
-        **common,
     }
     scaling = a("rope.scaling.type")
     if scaling == "linear":
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (only linear)")
-    if arch == "qwen2":
-        return transformers.Qwen2Config(**kwargs)
-    return transformers.LlamaConfig(**kwargs)
+    return kwargs
+
+
+# GGUFLayout.config_reader -> the function reading a config's keyword arguments from the metadata
+CONFIG_READERS: Mapping[str, Callable[[GGUFHeader], dict[str, Any]]] = MappingProxyType(
+    {"decoder_config": _decoder_config, "gpt2_config": _gpt2_config}
+)
 
 
 # --------------------------------------------------------------------------- weights
 
-_LLAMA_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LLAMA_GLOBAL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_GPT2_NAMES = {
-    "attn_norm": "ln_1",
-    "attn_qkv": "attn.c_attn",
-    "attn_output": "attn.c_proj",
-    "ffn_norm": "ln_2",
-    "ffn_up": "mlp.c_fc",
-    "ffn_down": "mlp.c_proj",
-}
-_GPT2_GLOBAL = {
-    "token_embd": "transformer.wte",
-    "position_embd": "transformer.wpe",
-    "output_norm": "transformer.ln_f",
-    "output": "lm_head",
-}
-_GPT2_TRANSPOSED = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_name(arch: str, gguf_name: str) -> tuple[str | None, str]:
+def _hf_name(layout: GGUFLayout, gguf_name: str) -> tuple[str | None, str]:
     """(Hugging Face name or None if unknown, GGUF tensor kind such as ``attn_q``)."""
     if gguf_name == "rope_freqs.weight":
         return "rope_freqs", "rope_freqs"
-    per_block, global_names, block_prefix = (
-        (_GPT2_NAMES, _GPT2_GLOBAL, "transformer.h")
-        if arch == "gpt2"
-        else (_LLAMA_NAMES, _LLAMA_GLOBAL, "model.layers")
-    )
     if m := _BLOCK.fullmatch(gguf_name):
         layer, kind, suffix = m.groups()
-        if kind in per_block:
-            return f"{block_prefix}.{layer}.{per_block[kind]}.{suffix}", kind
+        if kind in layout.block_names:
+            return f"{layout.block_prefix}.{layer}.{layout.block_names[kind]}.{suffix}", kind
         return None, kind
     base, _, suffix = gguf_name.rpartition(".")
-    if base in global_names:
-        return f"{global_names[base]}.{suffix}", base
+    if base in layout.global_names:
+        return f"{layout.global_names[base]}.{suffix}", base
     return None, base
 
 
@@ -312,21 +292,21 @@ def dequantize_tensor(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
 
 def iter_gguf_weights(header: GGUFHeader) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every weight of a supported GGUF file."""
-    check_gguf_architecture(header)
+    layout = gguf_layout(header)
     arch = header.architecture
     num_heads = int(header.arch_value("attention.head_count", 0))
     num_kv_heads = int(header.arch_value("attention.head_count_kv", num_heads))
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
     for gguf_name, info in header.tensors.items():
-        name, kind = _hf_name(arch, gguf_name)
+        name, kind = _hf_name(layout, gguf_name)
         if name is None:
             logger.warning("ignoring GGUF tensor %r: not part of a %s model", gguf_name, arch)
             continue
         weight = dequantize_tensor(data, info)
-        if arch == "llama" and kind == "attn_q":
+        if layout.rope_permuted and kind == "attn_q":
             weight = unpermute_rope_rows(weight, num_heads)
-        elif arch == "llama" and kind == "attn_k":
+        elif layout.rope_permuted and kind == "attn_k":
             weight = unpermute_rope_rows(weight, num_kv_heads)
-        elif arch == "gpt2" and kind in _GPT2_TRANSPOSED and weight.ndim == 2:
-            weight = weight.T  # back to Hugging Face's Conv1D [in, out] layout
+        elif kind in layout.transposed and weight.ndim == 2:
+            weight = weight.T  # back to Hugging Face's [in, out] layout (GPT-2's Conv1D)
         yield name, torch.from_numpy(np.ascontiguousarray(weight))
