@@ -354,7 +354,7 @@ def _sweep_decode(
 ) -> list[dict]:
     """Every split count with the default tiles; the other tiles at the first and the
     automatic split count."""
-    from pagedattn_kernels import triton_ops as to
+    from pagedattn_kernels.attention import triton_launch as to
 
     kc, vc, tables = _paged(setup, batch, context, gen)
     lens = torch.full((batch,), context, dtype=torch.int32, device=setup.device)
@@ -402,7 +402,7 @@ def _sweep_decode(
 
 def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generator,
                    deadline: float) -> list[dict]:  # fmt: skip
-    from pagedattn_kernels import triton_ops as to
+    from pagedattn_kernels.attention import triton_launch as to
 
     q, kc, vc, tables, lens, cu = _prefill_inputs(setup, tokens, gen)
     out = torch.empty_like(q)
@@ -431,7 +431,7 @@ def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generato
 
 def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) -> dict:
     """Split counts and tile shapes at the headline sizes (GPU only)."""
-    from pagedattn_kernels import triton_ops as to
+    from pagedattn_kernels.attention import triton_launch as to
 
     decode_cfgs = [
         to.decode_config(setup.head_dim, setup.dtype),
