@@ -68,6 +68,9 @@ def rms_norm(
     eps: float,
     hidden: int,
 ) -> None:
+    """``rms_norm_kernel`` over the rows of ``x [rows, hidden]``: the plain norm into ``out``
+    (``residual`` None), or, with ``residual``, the sum into ``residual_out`` and its norm into
+    ``out`` (both ops' Triton path)."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
@@ -96,6 +99,7 @@ def rms_norm(
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int) -> None:
+    """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
@@ -119,6 +123,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int) -> None:
 def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, inv_freq: torch.Tensor
 ) -> None:
+    """``rotary_kernel``: rotates ``query`` and ``key`` (or only ``query``) in place."""
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return
