@@ -132,7 +132,8 @@ def test_cpu_ops_need_no_triton():
         kc, vc = torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8)
         k = torch.randn(6, 1, 8)
         pk.reshape_and_cache(k, k, kc, vc, torch.arange(6) + 4)
-        table, lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+        table = torch.tensor([[1, 2]], dtype=torch.int32)
+        lens = torch.tensor([6], dtype=torch.int32)
         q = torch.randn(2, 2, 8)
         out = pk.paged_attention(q, kc, vc, table, lens, torch.tensor([0, 2], dtype=torch.int32))
         assert out.shape == q.shape

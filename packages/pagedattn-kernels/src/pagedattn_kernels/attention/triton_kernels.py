@@ -15,10 +15,10 @@ Softmax runs in the log2 domain: scores are multiplied by ``scale * log2(e)`` an
 with ``exp2``. All programs handle every query head of one KV head (the "group"), so each K/V
 row is read once per sequence whatever the GQA ratio.
 
-This file is loaded twice when both compiled and interpreted kernels are needed
-(see ``pagedattn_kernels.common.load_kernels``); it must stay free of import-time side effects. For the same
-reason the kernels call only Triton *builtins* and the jit helpers defined here, never the
-jit functions of ``triton.language.standard`` (``tl.zeros``, ``tl.max``, ``tl.sum``,
+This file is loaded twice when both compiled and interpreted kernels are needed (see
+``pagedattn_kernels.common.load_kernels``); it must stay free of import-time side effects. For
+the same reason the kernels call only Triton *builtins* and the jit helpers defined here, never
+the jit functions of ``triton.language.standard`` (``tl.zeros``, ``tl.max``, ``tl.sum``,
 ``tl.cdiv``): those are compiled-or-interpreted according to ``TRITON_INTERPRET`` when triton
 itself was imported, and the wrong kind cannot be called. Reductions go through
 ``tl.reduce`` with the standard combine functions, which the interpreter recognises and runs
