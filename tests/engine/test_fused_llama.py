@@ -4,7 +4,7 @@ rotary embedding): the same greedy tokens and logits as with the torch code they
 On CPU the fused Triton kernels are forced into Triton's interpreter with
 ``PAGEDATTN_BACKEND=triton`` (which also runs the attention kernels there); the baseline run
 keeps that attention and switches only the elementwise ops back to torch, so the comparison
-isolates the fused kernels. They repeat torch's roundings (see ``pagedattn_kernels.fused_ops``),
+isolates the fused kernels. They repeat torch's roundings (see ``pagedattn_kernels.fused``),
 so float32 logits agree to ~1e-6 and bfloat16 logits to a rare bfloat16 ulp of a hidden state
 carried through the layers. The same comparison runs on a GPU at the end (marked ``gpu``).
 """
@@ -35,17 +35,17 @@ def _load(ckpt, device="cpu", dtype=torch.float32):
 
 
 def _count_fused_launches(monkeypatch) -> dict[str, int]:
-    from pagedattn_kernels import fused_ops
+    from pagedattn_kernels.fused import triton_launch
 
     counts: dict[str, int] = {}
-    for name in ("_launch_rms_norm", "_launch_silu_and_mul", "_launch_rotary"):
-        real = getattr(fused_ops, name)
+    for name in ("rms_norm", "silu_and_mul", "rotary_embedding"):
+        real = getattr(triton_launch, name)
 
         def spy(*args, _real=real, _name=name):
             counts[_name] = counts.get(_name, 0) + 1
             return _real(*args)
 
-        monkeypatch.setattr(fused_ops, name, spy)
+        monkeypatch.setattr(triton_launch, name, spy)
     return counts
 
 
@@ -57,8 +57,8 @@ def _generate_both(monkeypatch, model, config, prompts, paged_generate, device="
     fused = paged_generate(model, config, prompts, NEW_TOKENS, **kw)
     num_layers = config.num_layers
     # Per forward pass: 2 norms per layer + the final one, 1 SiLU and 1 rotary per layer.
-    assert counts["_launch_rms_norm"] == fused.steps * (2 * num_layers + 1)
-    assert counts["_launch_silu_and_mul"] == counts["_launch_rotary"] == fused.steps * num_layers
+    assert counts["rms_norm"] == fused.steps * (2 * num_layers + 1)
+    assert counts["silu_and_mul"] == counts["rotary_embedding"] == fused.steps * num_layers
     monkeypatch.setattr(layers, "fused_kernels_enabled", lambda device: False)
     unfused = paged_generate(model, config, prompts, NEW_TOKENS, **kw)
     monkeypatch.undo()

@@ -7,7 +7,7 @@ import torch
 
 import pagedattn_kernels as pk
 from pagedattn_kernels import reference
-from pagedattn_kernels.swap import runs
+from pagedattn_kernels.cache.torch_impl import runs
 
 
 def _cow_mapping(gen: torch.Generator, num_blocks: int, n: int) -> torch.Tensor:

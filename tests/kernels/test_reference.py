@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from pagedattn_kernels import reference
+from pagedattn_kernels.attention.triton_launch import _partition, choose_num_splits
 from pagedattn_kernels.testing import random_paged_batch
-from pagedattn_kernels.triton_ops import _partition, choose_num_splits
 
 
 def _dense(query, k, v, q_len, scale):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pagedattn_kernels as pk
-from pagedattn_kernels.backend import resolve_backend
+from pagedattn_kernels import resolve_backend
 from pagedattn_kernels.testing import random_paged_batch
 
 
@@ -124,12 +124,12 @@ def test_env_var_routes_cpu_tensors_to_the_interpreter(monkeypatch):
                            block_size=8, dtype=torch.float32)  # fmt: skip
     args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens)
     monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
-    from pagedattn_kernels import triton_ops
+    from pagedattn_kernels.attention import triton_launch
 
     calls = []
-    real = triton_ops.paged_decode_attention
+    real = triton_launch.paged_decode_attention
     monkeypatch.setattr(
-        triton_ops, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+        triton_launch, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     out = pk.paged_decode_attention(*args)
     assert calls and torch.allclose(out, pk.paged_decode_attention(*args, backend="torch"),

@@ -25,9 +25,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from pagedattn_kernels import fused_kernels as fused_compiled
-from pagedattn_kernels import fused_ops, triton_ops
-from pagedattn_kernels import triton_kernels as compiled
+from pagedattn_kernels.attention import triton_kernels as attention_kernels
+from pagedattn_kernels.attention import triton_launch as attention
+from pagedattn_kernels.cache import triton_kernels as cache_kernels
+from pagedattn_kernels.cache import triton_launch as cache
+from pagedattn_kernels.fused import triton_kernels as fused_kernels
+from pagedattn_kernels.fused import triton_launch as fused
 
 
 class _StubDriver:
@@ -99,17 +102,17 @@ def _fused_variants(quick: bool) -> None:
         for hidden in [4096] if quick else [64, 576, 1000, 4096, 8192, 16384]:
             x = torch.empty(8, hidden, dtype=dtype)
             w = torch.empty(hidden, dtype=dtype)
-            fused_ops._launch_rms_norm(x, None, x, None, w, 1e-5, hidden)
-            fused_ops._launch_rms_norm(x, x, x, x, w, 1e-5, hidden)
+            fused.rms_norm(x, None, x, None, w, 1e-5, hidden)
+            fused.rms_norm(x, x, x, x, w, 1e-5, hidden)
         for inter in [14336] if quick else [64, 300, 1408, 14336]:
-            fused_ops._launch_silu_and_mul(
+            fused.silu_and_mul(
                 torch.empty(8, inter, dtype=dtype), torch.empty(8, 2 * inter, dtype=dtype), inter
             )
         shapes = [(32, 8, 128)] if quick else [(32, 8, 128), (9, 3, 64), (8, 2, 80), (2, 0, 32)]
         for heads, kv_heads, head_dim in shapes:
             q = torch.empty(4, heads, head_dim, dtype=dtype)
             k = torch.empty(4, kv_heads, head_dim, dtype=dtype) if kv_heads else None
-            fused_ops._launch_rotary(
+            fused.rotary_embedding(
                 torch.zeros(4, dtype=torch.int64), q, k, torch.empty(head_dim // 2)
             )
 
@@ -122,20 +125,17 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=None, help="only this head dim")
     args = ap.parse_args()
     triton.runtime.driver.set_active(_StubDriver())
-    proxy = _proxy(
-        compiled,
-        (
-            "reshape_and_cache_kernel",
-            "decode_kernel",
-            "decode_reduce_kernel",
-            "prefill_kernel",
-            "copy_blocks_kernel",
-        ),
+    # Each op folder's launchers find their kernels through `kernels_for`: hand them proxies
+    # that compile and never launch.
+    attention_proxy = _proxy(
+        attention_kernels, ("decode_kernel", "decode_reduce_kernel", "prefill_kernel")
     )
-    triton_ops.kernels_for = lambda device: proxy  # compile, never launch
-    fused_proxy = _proxy(fused_compiled, ("rms_norm_kernel", "silu_and_mul_kernel",
-                                          "rotary_kernel"))  # fmt: skip
-    fused_ops._kernels = lambda device: fused_proxy
+    attention.kernels_for = lambda device, module: attention_proxy
+    cache_proxy = _proxy(cache_kernels, ("reshape_and_cache_kernel", "copy_blocks_kernel"))
+    cache.kernels_for = lambda device, module: cache_proxy
+    fused_proxy = _proxy(fused_kernels, ("rms_norm_kernel", "silu_and_mul_kernel",
+                                         "rotary_kernel"))  # fmt: skip
+    fused.kernels_for = lambda device, module: fused_proxy
 
     dims = [64, 80, 96, 128, 256]
     dtypes = [torch.bfloat16, torch.float16, torch.float32]
@@ -158,18 +158,18 @@ def main() -> None:
         bt = torch.zeros(2, 32, dtype=torch.int32)
         lens = torch.tensor([100, 5], dtype=torch.int32)
         cu = torch.tensor([0, 6, 8], dtype=torch.int32)
-        triton_ops.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q))
+        attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q))
         qd = q[:2].contiguous()
         for splits in (1, 4):
-            triton_ops.paged_decode_attention(
+            attention.paged_decode_attention(
                 qd, kc, kc, bt, lens, 0.1, 512, torch.empty_like(qd), num_splits=splits
             )
-        triton_ops.reshape_and_cache(
+        cache.reshape_and_cache(
             q[:, :hkv].contiguous(), q[:, :hkv].contiguous(), kc, kc,
             torch.zeros(8, dtype=torch.int64),
         )  # fmt: skip
-    triton_ops.copy_blocks(torch.empty(4, 64, 2048, dtype=torch.bfloat16),
-                           torch.zeros(3, 2, dtype=torch.int64))  # fmt: skip
+    cache.copy_blocks(torch.empty(4, 64, 2048, dtype=torch.bfloat16),
+                      torch.zeros(3, 2, dtype=torch.int64))  # fmt: skip
     if args.head_dim is None:
         _fused_variants(args.quick)
     print(f"triton {triton.__version__}: compiled {len(RESULTS)} variants for sm_90")

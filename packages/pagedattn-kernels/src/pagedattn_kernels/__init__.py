@@ -5,38 +5,13 @@ the residual add, SiLU-and-multiply, rotary embedding).
 Tensors only: the caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer,
 block tables ``[num_seqs, max_blocks_per_seq]`` int32, slot = block id * block_size + offset.
 The backend follows the tensors' device (CUDA -> Triton kernels, CPU -> torch).
-``pagedattn_kernels.reference`` holds a float64 reference of each op.
+Everything public comes from ``pagedattn_kernels.ops`` (re-exported here); each op's code lives
+in its folder (``attention/``, ``cache/``, ``fused/``). ``pagedattn_kernels.reference`` holds a
+float64 reference of each op, ``pagedattn_kernels.testing`` helpers for tests.
 """
 
+from pagedattn_kernels import ops as _ops
 from pagedattn_kernels.__about__ import __version__
-from pagedattn_kernels.backend import BACKENDS, resolve_backend
-from pagedattn_kernels.fused_ops import (
-    fused_add_rms_norm,
-    rms_norm,
-    rotary_embedding,
-    silu_and_mul,
-)
-from pagedattn_kernels.ops import (
-    copy_blocks,
-    paged_attention,
-    paged_decode_attention,
-    reshape_and_cache,
-    swap_blocks,
-)
-from pagedattn_kernels.swap import swap_stream
+from pagedattn_kernels.ops import *  # noqa: F403  (the public face is ops.__all__)
 
-__all__ = [
-    "BACKENDS",
-    "__version__",
-    "copy_blocks",
-    "fused_add_rms_norm",
-    "paged_attention",
-    "paged_decode_attention",
-    "reshape_and_cache",
-    "resolve_backend",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "swap_blocks",
-    "swap_stream",
-]
+__all__ = ["__version__", *_ops.__all__]

@@ -1,136 +1,35 @@
-"""Simple float64 references of every op, written for obviousness rather than speed.
+"""Float64 references of every public op, written for obviousness rather than speed.
+
+Each op's reference lives in its folder, next to the code it checks (``attention/reference.py``,
+``cache/reference.py``, ``fused/reference.py``); this module gathers them under one name, so
+``pagedattn_kernels.reference.<op>`` is the reference of ``pagedattn_kernels.<op>`` (plus the
+folders' helpers, e.g. ``gather_context``). The folders gathered are those that
+``pagedattn_kernels.ops`` takes its operations from: a new op folder shows up here by itself.
 
 They loop over tokens, sequences and block-table entries one at a time, so each can be read
-against the definitions in docs/dev/kernels-api.md. Attention returns float64; the in-place
-ops write into the tensors they are given (pass clones). They run on any device.
+against the definitions in docs/dev/kernels-api.md. Attention and the fused ops return float64;
+the in-place cache ops write into the tensors they are given (pass clones). They run on any
+device.
 """
 
 from __future__ import annotations
 
-import torch
+import importlib
+
+from pagedattn_kernels import ops as _ops
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    block_size = key_cache.shape[1]
-    for i, slot in enumerate(slot_mapping.tolist()):
-        if slot == -1:
-            continue
-        key_cache[slot // block_size, slot % block_size] = key[i]
-        value_cache[slot // block_size, slot % block_size] = value[i]
+def _gather() -> dict[str, object]:
+    """Every name in ``__all__`` of the ``reference`` module of each op folder."""
+    folders = sorted({op.__module__.rpartition(".")[0] for op in _ops.operations().values()})
+    found: dict[str, object] = {}
+    for folder in folders:
+        module = importlib.import_module(f"{folder}.reference")
+        found.update({name: getattr(module, name) for name in module.__all__})
+    return found
 
 
-def gather_context(cache: torch.Tensor, block_table: list[int], seq_len: int) -> torch.Tensor:
-    """The ``[seq_len, num_kv_heads, head_dim]`` keys (or values) of one sequence, in float64,
-    read position by position through its block table."""
-    block_size = cache.shape[1]
-    rows = [cache[block_table[pos // block_size], pos % block_size] for pos in range(seq_len)]
-    if not rows:
-        return cache.new_zeros((0, cache.shape[2], cache.shape[3]), dtype=torch.float64)
-    return torch.stack(rows).to(torch.float64)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Float64 ``[num_tokens, num_heads, head_dim]``: query row j of sequence i (context
-    position p = seq_len - q_len + j) attends keys 0..p; query head h reads KV head
-    h // (num_heads // num_kv_heads). One token at a time, all heads at once."""
-    _, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
-    cu = cu_query_lens.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        table = block_tables[i].tolist()
-        k = gather_context(key_cache, table, seq_len)
-        v = gather_context(value_cache, table, seq_len)
-        q_len = cu[i + 1] - cu[i]
-        for j in range(q_len):
-            p = seq_len - q_len + j
-            # [kv heads, group, dim]: query head h = kv_head * group + g reads KV head kv_head.
-            q = query[cu[i] + j].to(torch.float64).reshape(num_kv_heads, group, head_dim)
-            keys = k[: p + 1].transpose(0, 1)  # [kv heads, p + 1, dim]
-            values = v[: p + 1].transpose(0, 1)
-            scores = (q @ keys.transpose(1, 2)) * scale  # [kv heads, group, p + 1]
-            weights = torch.softmax(scores, dim=-1)
-            out[cu[i] + j] = (weights @ values).reshape(num_heads, head_dim)
-    return out
-
-
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """The q_len = 1 case, sequence by sequence; a sequence of length 0 gives zeros."""
-    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
-    one = torch.tensor([0, 1], dtype=torch.int32)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        out[i] = paged_attention(
-            query[i : i + 1], key_cache, value_cache, block_tables[i : i + 1],
-            seq_lens[i : i + 1], one, scale=scale,
-        )[0]  # fmt: skip
-    return out
-
-
-def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    for src, dst in block_mapping.tolist():
-        kv_cache[..., dst, :, :, :] = kv_cache[..., src, :, :, :].clone()
-
-
-def swap_blocks(
-    src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor
-) -> None:
-    for src, dst in block_mapping.tolist():
-        dst_cache[..., dst, :, :, :] = src_cache[..., src, :, :, :].to(dst_cache.device)
-
-
-# --------------------------------------------------------------------------- fused elementwise ops
-# Exact math in float64 (no intermediate rounding); tests bound the ops' distance from these.
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, in float64."""
-    x64 = x.to(torch.float64)
-    rms = torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps)
-    return weight.to(torch.float64) * (x64 / rms)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``gate * sigmoid(gate) * up`` for ``x = [gate, up]`` along the last dim, in float64."""
-    gate, up = x.to(torch.float64).chunk(2, dim=-1)
-    return gate / (1.0 + torch.exp(-gate)) * up
-
-
-def rotary_embedding(
-    positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor
-) -> torch.Tensor:
-    """``x [T, heads, head_dim]`` rotated pair by pair, (x_i, x_{i + D/2}) by the angle
-    ``positions[t] * inv_freq[i]``, in float64. The angle is the float32 product, as the models
-    define it (Hugging Face computes it in float32; that rounding is part of the definition)."""
-    angle = (positions[:, None].to(torch.float32) * inv_freq[None, :].to(torch.float32)).double()
-    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
-    x64 = x.to(torch.float64)
-    half = x.shape[-1] // 2
-    x1, x2 = x64[..., :half], x64[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+_found = _gather()
+globals().update(_found)
+__all__ = sorted(_found)
+del _found

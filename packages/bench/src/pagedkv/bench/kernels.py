@@ -72,9 +72,9 @@ class Setup:
 def _tuning():
     """The Triton launch internals the sweeps vary (split counts, tile configurations): not
     public API, and the one place this benchmark reaches inside pagedattn_kernels."""
-    from pagedattn_kernels import triton_ops
+    from pagedattn_kernels.attention import triton_launch
 
-    return triton_ops
+    return triton_launch
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

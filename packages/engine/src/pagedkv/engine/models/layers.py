@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pagedattn_kernels
-from pagedattn_kernels.fused_ops import MAX_HIDDEN
+from pagedattn_kernels.ops import MAX_HIDDEN
 
 
 def fused_kernels_enabled(device: torch.device) -> bool:

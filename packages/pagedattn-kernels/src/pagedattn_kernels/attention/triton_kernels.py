@@ -1,4 +1,7 @@
-"""The Triton kernels (device code only; the launchers are in ``triton_ops``).
+"""The Triton kernels of the attention ops (device code only; the launchers are in
+``triton_launch``): flash-decoding (``decode_kernel`` + ``decode_reduce_kernel``) and causal
+attention over mixed batches of prefill chunks (``prefill_kernel``), both reading K/V through
+the block table with one shared tile step (``_attend_tile``).
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a unit stride on the
 head dim; a token's keys for one KV head are one contiguous row of ``head_dim`` elements.
@@ -12,10 +15,10 @@ Softmax runs in the log2 domain: scores are multiplied by ``scale * log2(e)`` an
 with ``exp2``. All programs handle every query head of one KV head (the "group"), so each K/V
 row is read once per sequence whatever the GQA ratio.
 
-This file is loaded twice when both compiled and interpreted kernels are needed
-(see ``backend.triton_kernels``); it must stay free of import-time side effects. For the same
-reason the kernels call only Triton *builtins* and the jit helpers defined here, never the
-jit functions of ``triton.language.standard`` (``tl.zeros``, ``tl.max``, ``tl.sum``,
+This file is loaded twice when both compiled and interpreted kernels are needed (see
+``pagedattn_kernels.common.load_kernels``); it must stay free of import-time side effects. For
+the same reason the kernels call only Triton *builtins* and the jit helpers defined here, never
+the jit functions of ``triton.language.standard`` (``tl.zeros``, ``tl.max``, ``tl.sum``,
 ``tl.cdiv``): those are compiled-or-interpreted according to ``TRITON_INTERPRET`` when triton
 itself was imported, and the wrong kind cannot be called. Reductions go through
 ``tl.reduce`` with the standard combine functions, which the interpreter recognises and runs
@@ -35,47 +38,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def reshape_and_cache_kernel(
-    key_ptr,
-    value_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    slot_ptr,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    stride_kc_block,
-    stride_kc_tok,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_tok,
-    stride_vc_head,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """One program per token: copy its K and V (all KV heads) into its slot; slot < 0 skips."""
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot < 0:
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    h = tl.arange(0, BLOCK_HEADS)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
-    v = tl.load(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
-    kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
-    vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
-    tl.store(kc + h[:, None] * stride_kc_head + d[None, :], k, mask=mask)
-    tl.store(vc + h[:, None] * stride_vc_head + d[None, :], v, mask=mask)
 
 
 @triton.jit
@@ -450,26 +412,3 @@ def prefill_kernel(
     result = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def copy_blocks_kernel(
-    cache_ptr,
-    mapping_ptr,
-    stride_layer,
-    stride_block,
-    BLOCK_ELEMS: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """Grid: (num_pairs, num_layers, chunks per block). Copies one chunk of one block of one
-    layer from the pair's source block to its destination block."""
-    pair = tl.program_id(0).to(tl.int64)
-    layer = tl.program_id(1).to(tl.int64)
-    chunk = tl.program_id(2)
-    src = tl.load(mapping_ptr + 2 * pair).to(tl.int64)
-    dst = tl.load(mapping_ptr + 2 * pair + 1).to(tl.int64)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < BLOCK_ELEMS
-    base = cache_ptr + layer * stride_layer
-    x = tl.load(base + src * stride_block + offs, mask=mask)
-    tl.store(base + dst * stride_block + offs, x, mask=mask)

@@ -1,7 +1,8 @@
-"""Launchers for the Triton kernels: tile configurations, the flash-decoding split choice, grids.
+"""Launchers of the attention kernels (``triton_kernels.py``): tile configurations, the
+flash-decoding split choice, grids.
 
-Inputs arrive validated (``ops`` checks them). CUDA tensors get the compiled kernels, CPU
-tensors the same kernels in Triton's interpreter (see ``backend``).
+Inputs arrive checked (``ops`` checks them). CUDA tensors get the compiled kernels, CPU tensors
+the same kernels in Triton's interpreter (``pagedattn_kernels.common.kernels_for``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedattn_kernels.backend import kernels_for
+from pagedattn_kernels.common import is_interpreted, kernels_for, next_power_of_2
+
+KERNELS = "pagedattn_kernels.attention.triton_kernels"
 
 MAX_HEAD_DIM = 256
 # Split a sequence no finer than this many tokens: below it the merge costs more than it saves.
@@ -42,10 +45,6 @@ class PrefillConfig:
     tile_n: int
     num_warps: int
     num_stages: int
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -121,35 +120,9 @@ def _dot_ieee(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _interpreted(kernel: object) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
-
-
 def _upcast(kernel: object, dtype: torch.dtype) -> bool:
     """bfloat16 dots must run in fp32 under the interpreter (see ``_attend_tile``)."""
-    return dtype == torch.bfloat16 and _interpreted(kernel)
-
-
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    kernels = kernels_for(key.device)
-    kernels.reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HEADS=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_SIZE=key_cache.shape[1], num_warps=4,
-    )  # fmt: skip
+    return dtype == torch.bfloat16 and is_interpreted(kernel)
 
 
 def paged_decode_attention(
@@ -169,8 +142,8 @@ def paged_decode_attention(
         return out
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
-    kernels = kernels_for(query.device)
-    cfg = config or decode_config(head_dim, query.dtype, _interpreted(kernels.decode_kernel))
+    kernels = kernels_for(query.device, KERNELS)
+    cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel))
     dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
@@ -232,8 +205,8 @@ def paged_attention(
         return out
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
-    kernel = kernels_for(query.device).prefill_kernel
-    cfg = config or prefill_config(head_dim, query.dtype, qpk, _interpreted(kernel))
+    kernel = kernels_for(query.device, KERNELS).prefill_kernel
+    cfg = config or prefill_config(head_dim, query.dtype, qpk, is_interpreted(kernel))
     block_q = cfg.block_m // qpk
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     kernel[grid](
@@ -249,18 +222,3 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
-
-
-def copy_blocks(cache3: torch.Tensor, mapping: torch.Tensor) -> None:
-    """``cache3``: a ``[layers, num_blocks, block_elems]`` view with contiguous blocks;
-    ``mapping``: contiguous ``[n, 2]`` (src, dst) on the cache's device."""
-    num_pairs = mapping.shape[0]
-    layers, _, block_elems = cache3.shape
-    if num_pairs == 0 or layers == 0 or block_elems == 0:
-        return
-    chunk = min(4096, next_power_of_2(block_elems))
-    grid = (num_pairs, layers, -(-block_elems // chunk))
-    kernels_for(cache3.device).copy_blocks_kernel[grid](
-        cache3, mapping, cache3.stride(0), cache3.stride(1),
-        BLOCK_ELEMS=block_elems, CHUNK=chunk, num_warps=4,
-    )  # fmt: skip

@@ -1,6 +1,11 @@
-"""Moving blocks between a GPU cache and a pinned CPU cache (swap out / swap in).
+"""The torch path of the cache ops: writing K/V into slots and copying blocks (the fast path on
+CPU, and the fallback for caches whose blocks the Triton copy cannot address), and swapping
+blocks between a GPU cache and a pinned CPU cache (swap out / swap in) on every device: a swap
+is the copy engine's work, so it has no Triton kernel.
 
-How it is done on CUDA, and why: each swapped block is one contiguous run of
+Inputs arrive checked (``ops`` checks them).
+
+How a swap is done on CUDA, and why: each swapped block is one contiguous run of
 ``block_size * num_kv_heads * head_dim`` elements per leading index (layer, K/V) on both sides.
 Pairs whose source and destination ids are both consecutive are merged into runs, and each run
 of each leading index becomes one ``copy_(..., non_blocking=True)`` between contiguous slices:
@@ -24,8 +29,42 @@ import functools
 
 import torch
 
-from pagedattn_kernels import torch_ops
-from pagedattn_kernels.validation import block_rows
+from pagedattn_kernels.cache.checks import block_rows
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if slots.numel() == 0:
+        return
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Index assignment writes into the caches whatever their strides.
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy block ``src[i]`` to ``dst[i]`` along the block dim (-4) of every leading index."""
+    if src.numel() == 0:
+        return
+    kv_cache.index_copy_(-4, dst, kv_cache.index_select(-4, src))
+
+
+def swap_blocks_same_device(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    if src.numel() == 0:
+        return
+    dst_cache.index_copy_(-4, dst, src_cache.index_select(-4, src))
 
 
 @functools.cache
@@ -70,7 +109,7 @@ def swap_blocks(
     if src_cache.device.type != "cuda" and dst_cache.device.type != "cuda":
         src = torch.tensor([p[0] for p in pairs], device=src_cache.device)
         dst = torch.tensor([p[1] for p in pairs], device=dst_cache.device)
-        torch_ops.swap_blocks_same_device(src_cache, dst_cache, src, dst)
+        swap_blocks_same_device(src_cache, dst_cache, src, dst)
         return
     gpu = src_cache.device if src_cache.device.type == "cuda" else dst_cache.device
     if stream is None:

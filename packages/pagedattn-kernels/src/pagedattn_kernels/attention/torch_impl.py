@@ -1,4 +1,4 @@
-"""The plain-torch implementation: the fast path on CPU (and a fallback anywhere).
+"""The torch path of the attention ops: the fast path on CPU (and a fallback anywhere).
 
 Attention gathers each sequence's blocks with one indexing op and hands the contiguous K/V to
 ``torch.nn.functional.scaled_dot_product_attention`` (fused and multi-threaded on CPU), with
@@ -7,7 +7,7 @@ that continues an earlier context. Decode tokens (chunks of one query) of simila
 lengths are batched into one SDPA call with a key-padding mask, so a decode step costs a few
 calls per layer rather than one per sequence.
 
-Inputs arrive validated (``ops`` checks them). The host reads lengths with ``tolist()``,
+Inputs arrive checked (``ops`` checks them). The host reads lengths with ``tolist()``,
 which is free on CPU tensors and a device sync on CUDA tensors.
 """
 
@@ -20,26 +20,6 @@ import torch.nn.functional as F
 # little), so batching never multiplies the work of short sequences by much.
 _GROUP_SPREAD = 1.5
 _GROUP_SLACK = 64
-
-
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
-    if slots.numel() == 0:
-        return
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    # Index assignment writes into the caches whatever their strides.
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 def _gather(cache: torch.Tensor, table_rows: torch.Tensor, length: int) -> torch.Tensor:
@@ -200,18 +180,3 @@ def paged_decode_attention(
     lens = [int(x) for x in seq_lens.tolist()]
     seqs = list(range(len(lens)))
     return _decode(query, key_cache, value_cache, block_tables, lens, seqs, scale, out)
-
-
-def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy block ``src[i]`` to ``dst[i]`` along the block dim (-4) of every leading index."""
-    if src.numel() == 0:
-        return
-    kv_cache.index_copy_(-4, dst, kv_cache.index_select(-4, src))
-
-
-def swap_blocks_same_device(
-    src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    if src.numel() == 0:
-        return
-    dst_cache.index_copy_(-4, dst, src_cache.index_select(-4, src))

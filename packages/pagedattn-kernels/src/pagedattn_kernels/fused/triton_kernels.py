@@ -1,6 +1,6 @@
-"""Triton kernels for a decoder layer's elementwise work (device code only; the launchers and
-the public ops are in ``fused_ops``): RMSNorm with the residual add fused in, SiLU-and-multiply,
-rotary embedding.
+"""Triton kernels for a decoder layer's elementwise work (device code only; the launchers are
+in ``triton_launch``, the public ops in ``ops``): RMSNorm with the residual add fused in,
+SiLU-and-multiply, rotary embedding.
 
 Each kernel reproduces the rounding sequence of the unfused torch composition it replaces
 (Hugging Face's Llama: ``models/layers.py``), not just its mathematical value, so that a model
@@ -20,16 +20,17 @@ gives the same tokens with and without them:
 
 What remains different from torch is the order in which the RMSNorm sum of squares is added up
 (torch's reduction kernel has its own tree), so the norm agrees to the last bit of the model
-dtype almost always, not always. See the docstrings in ``fused_ops`` for each op's exactness.
+dtype almost always, not always. See the docstrings in ``ops`` for each op's exactness.
 
 Under Triton's interpreter (tests on CPU) two things change, both selected by constexpr flags:
 libdevice does not exist there (``LIBDEVICE=False``: numpy's exp/cos/sin instead), and its
 fp32 -> bfloat16 cast truncates instead of rounding to nearest even, so bfloat16 rounding is
 done in integer arithmetic (``ROUND == 2``; bit-identical to round-to-nearest-even).
 
-Like ``triton_kernels``, this file is loaded twice when both compiled and interpreted kernels
-are needed (``backend.triton_kernels``); it calls only Triton builtins and the jit helpers
-defined here, and reduces with ``tl.reduce`` and the standard combine functions.
+Like ``attention/triton_kernels.py``, this file is loaded twice when both compiled and
+interpreted kernels are needed (``pagedattn_kernels.common.load_kernels``); it calls only Triton
+builtins and the jit helpers defined here, and reduces with ``tl.reduce`` and the standard
+combine functions.
 """
 
 from __future__ import annotations

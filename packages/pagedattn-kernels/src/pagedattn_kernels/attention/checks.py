@@ -1,9 +1,9 @@
-"""Input checks shared by both backends. Every check runs before anything is written, so a
-rejected call changes nothing.
+"""Input checks of the attention ops (both backends), run before anything is written.
 
-Shapes, dtypes and devices are always checked. Values (slot ids, block ids, lengths) are
-checked only when they live on the CPU, where reading them is free; on CUDA that would cost a
-device sync per call, so there the caller is trusted (documented in the README).
+Shapes, dtypes and devices are always checked; lengths, ``cu_query_lens`` and block ids only
+when they live on the CPU (see ``pagedattn_kernels.common``). A valid call goes through one
+boolean expression (:func:`_attention_ok`) so that checking a decode step costs a few
+microseconds; anything else goes through the detailed checks, which say what is wrong.
 """
 
 from __future__ import annotations
@@ -13,113 +13,17 @@ import math
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def fail(op: str, message: str) -> ValueError:
-    return ValueError(f"{op}: {message}")
-
-
-def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise fail(op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise fail(op, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-
-
-def check_index(op: str, name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
-    """Integer tensor of the given shape (None = any size in that dim)."""
-    if not isinstance(t, torch.Tensor):
-        raise fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in INDEX_DTYPES:
-        raise fail(op, f"{name} must be int32 or int64, got {t.dtype}")
-    if t.dim() != len(shape) or any(
-        want is not None and got != want for got, want in zip(t.shape, shape)
-    ):
-        want_s = ", ".join("*" if w is None else str(w) for w in shape)
-        raise fail(op, f"{name} must have shape [{want_s}], got {tuple(t.shape)}")
-
-
-def check_same_device(op: str, device: torch.device, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != device:
-            raise fail(op, f"{name} is on {t.device} but the caches are on {device}; move it")
-
-
-def check_caches(
-    op: str, key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> tuple[int, int, int, int]:
-    """Both caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, same shape and dtype."""
-    check_float(op, "key_cache", key_cache, 4)
-    check_float(op, "value_cache", value_cache, 4)
-    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
-        raise fail(
-            op,
-            f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
-            f"{tuple(value_cache.shape)} {value_cache.dtype} must match in shape and dtype",
-        )
-    if value_cache.device != key_cache.device:
-        raise fail(op, "key_cache and value_cache must be on one device")
-    nb, bs, hkv, d = key_cache.shape
-    if bs <= 0 or hkv <= 0 or d <= 0:
-        raise fail(op, f"cache shape {tuple(key_cache.shape)} has an empty dimension")
-    return nb, bs, hkv, d
-
-
-def check_unit_stride(op: str, **tensors: torch.Tensor) -> None:
-    """The Triton kernels address the head dim with stride 1."""
-    for name, t in tensors.items():
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise fail(op, f"{name} needs stride 1 in its last dim (got {t.stride(-1)})")
-
-
-def block_rows(cache: torch.Tensor) -> torch.Tensor | None:
-    """``cache [..., num_blocks, block_size, heads, dim]`` viewed as ``[L, num_blocks, E]``
-    (E = one block's elements), or None when the blocks are not contiguous or the leading
-    dims do not collapse into one stride."""
-    if cache.dim() < 4:
-        return None
-    num_blocks = cache.shape[-4]
-    elems = math.prod(cache.shape[-3:])
-    inner = cache[(0,) * (cache.dim() - 3)] if cache.numel() else cache
-    if cache.numel() and not inner.is_contiguous():
-        return None
-    try:
-        return cache.view(-1, num_blocks, elems)
-    except RuntimeError:
-        return None
-
-
-def check_reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    op = "reshape_and_cache"
-    nb, bs, hkv, d = check_caches(op, key_cache, value_cache)
-    check_float(op, "key", key, 3)
-    check_float(op, "value", value, 3)
-    if key.shape != value.shape:
-        raise fail(op, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
-    if tuple(key.shape[1:]) != (hkv, d):
-        raise fail(
-            op,
-            f"key has {tuple(key.shape[1:])} (kv heads, head dim) but the caches hold {(hkv, d)}",
-        )
-    check_index(op, "slot_mapping", slot_mapping, (key.shape[0],))
-    check_same_device(op, key_cache.device, key=key, value=value, slot_mapping=slot_mapping)
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= nb * bs:
-            raise fail(
-                op,
-                f"slot_mapping holds {lo}..{hi} but slots run 0..{nb * bs - 1} (-1 = skip)",
-            )
+from pagedattn_kernels.attention.triton_launch import MAX_HEAD_DIM
+from pagedattn_kernels.common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_caches,
+    check_float,
+    check_index,
+    check_same_device,
+    check_unit_stride,
+    fail,
+)
 
 
 def _attention_ok(
@@ -285,18 +189,21 @@ def _check_values(
             )
 
 
-def check_block_mapping(op: str, mapping: torch.Tensor, src_blocks: int, dst_blocks: int) -> None:
-    check_index(op, "block_mapping", mapping, (None, 2))
-    if mapping.device.type == "cpu" and mapping.numel():
-        src, dst = mapping[:, 0], mapping[:, 1]
-        if int(src.min()) < 0 or int(src.max()) >= src_blocks:
-            raise fail(op, f"source block ids must lie in 0..{src_blocks - 1}")
-        if int(dst.min()) < 0 or int(dst.max()) >= dst_blocks:
-            raise fail(op, f"destination block ids must lie in 0..{dst_blocks - 1}")
-
-
-def check_block_caches(op: str, **caches: torch.Tensor) -> None:
-    for name, t in caches.items():
-        if not isinstance(t, torch.Tensor) or t.dim() < 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise fail(op, f"{name} must be [..., num_blocks, block_size, heads, dim], got {shape}")
+def check_triton_attention(
+    op: str, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    out: torch.Tensor,
+) -> None:  # fmt: skip
+    """What only the Triton kernels need: head dims up to ``MAX_HEAD_DIM`` and unit strides on
+    the head dim of the caches and the output (the query is made contiguous if it is not)."""
+    if (
+        query.shape[2] <= MAX_HEAD_DIM
+        and key_cache.stride(-1) == 1
+        and value_cache.stride(-1) == 1
+        and out.stride(-1) == 1
+    ):
+        return
+    if query.shape[2] > MAX_HEAD_DIM:
+        raise fail(
+            op, f"the Triton kernels take head dims up to {MAX_HEAD_DIM}; use backend='torch'"
+        )
+    check_unit_stride(op, key_cache=key_cache, value_cache=value_cache, out=out)

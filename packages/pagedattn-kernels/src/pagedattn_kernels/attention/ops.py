@@ -1,0 +1,102 @@
+"""The attention ops: causal paged attention over a mixed batch of prefill chunks and decode
+tokens, and paged decode attention (flash-decoding on the GPU).
+
+Each op checks its inputs (``checks``), then runs the implementation that fits the tensors'
+device (``pagedattn_kernels.common.resolve_backend``): the Triton kernels (``triton_launch``,
+``triton_kernels``) or the torch path (``torch_impl``). ``reference`` holds the float64
+definitions they are tested against. Public through ``pagedattn_kernels.ops``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedattn_kernels.attention import torch_impl, triton_launch
+from pagedattn_kernels.attention.checks import check_attention, check_triton_attention
+from pagedattn_kernels.common import fail, resolve_backend
+
+__all__ = ["paged_attention", "paged_decode_attention"]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention for a packed, mixed batch of prefill chunks and decode tokens.
+
+    Sequence i owns query rows ``cu_query_lens[i]:cu_query_lens[i+1]``: the last q_len_i
+    tokens of its ``seq_lens[i]``-token context, whose K/V are already in the cache. The token
+    at context position p sees keys 0..p. Returns ``out`` (allocated when None).
+    With ``max_query_len == 1`` (all decode) the flash-decoding kernel runs instead.
+    """
+    op = "paged_attention"
+    check_attention(
+        op, query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, out,
+        scale, max_query_len, max_seq_len,
+    )  # fmt: skip
+    scale = float(scale) if scale is not None else query.shape[2] ** -0.5
+    if out is None:
+        out = torch.empty_like(query)
+    if resolve_backend(key_cache.device, backend) == "torch":
+        return torch_impl.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out
+        )
+    check_triton_attention(op, query, key_cache, value_cache, out)
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
+        return triton_launch.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out
+        )
+    return triton_launch.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (``query [num_seqs, num_heads, head_dim]``) attending its
+    whole context of ``seq_lens[i]`` tokens. On the GPU, long contexts are split over several
+    programs (flash-decoding) and merged; ``num_splits`` overrides the automatic choice
+    (Triton backend only). A sequence of length 0 (batch padding) gets zeros.
+    """
+    op = "paged_decode_attention"
+    check_attention(
+        op, query, key_cache, value_cache, block_tables, seq_lens, None, out,
+        scale, None, max_seq_len,
+    )  # fmt: skip
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise fail(op, f"num_splits must be a positive int, got {num_splits!r}")
+    scale = float(scale) if scale is not None else query.shape[2] ** -0.5
+    if out is None:
+        out = torch.empty_like(query)
+    if resolve_backend(key_cache.device, backend) == "torch":
+        return torch_impl.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, out
+        )
+    check_triton_attention(op, query, key_cache, value_cache, out)
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    return triton_launch.paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
+        num_splits=num_splits,
+    )  # fmt: skip

@@ -1,0 +1,80 @@
+"""The Triton kernels of the cache ops (device code only; the launchers are in
+``triton_launch``): writing each new token's K and V into its slot, and copying whole blocks
+(copy-on-write) in every layer at once.
+
+Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a unit stride on the
+head dim (``copy_blocks_kernel`` sees every layer's blocks as ``[layers, num_blocks, elems]``).
+
+Like every kernel module here, this file is loaded twice when both compiled and interpreted
+kernels are needed (``pagedattn_kernels.common.load_kernels``): it must stay free of import-time
+side effects and call only Triton builtins (see ``attention/triton_kernels.py`` for why).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_tok,
+    stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: copy its K and V (all KV heads) into its slot; slot < 0 skips."""
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
+    kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
+    vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
+    tl.store(kc + h[:, None] * stride_kc_head + d[None, :], k, mask=mask)
+    tl.store(vc + h[:, None] * stride_vc_head + d[None, :], v, mask=mask)
+
+
+@triton.jit
+def copy_blocks_kernel(
+    cache_ptr,
+    mapping_ptr,
+    stride_layer,
+    stride_block,
+    BLOCK_ELEMS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Grid: (num_pairs, num_layers, chunks per block). Copies one chunk of one block of one
+    layer from the pair's source block to its destination block."""
+    pair = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    src = tl.load(mapping_ptr + 2 * pair).to(tl.int64)
+    dst = tl.load(mapping_ptr + 2 * pair + 1).to(tl.int64)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < BLOCK_ELEMS
+    base = cache_ptr + layer * stride_layer
+    x = tl.load(base + src * stride_block + offs, mask=mask)
+    tl.store(base + dst * stride_block + offs, x, mask=mask)

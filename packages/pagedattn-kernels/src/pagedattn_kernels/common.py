@@ -1,0 +1,198 @@
+"""Plumbing shared by every op folder: backend choice, the interpreter switch, common input checks
+and launch helpers. Nothing here knows about a particular operation.
+
+Backend choice: the tensors' device picks the implementation (CUDA -> Triton, CPU -> torch)
+unless a caller forces one with the ``backend=`` keyword or the ``PAGEDATTN_BACKEND``
+environment variable (``auto``, ``torch`` or ``triton``). Forcing ``triton`` on CPU tensors runs
+the very same kernels in Triton's interpreter, which is how the kernels are tested on machines
+without a GPU.
+
+The interpreter switch: Triton decides at *definition* time (when ``@triton.jit`` runs) whether
+a kernel is compiled or interpreted: it reads ``TRITON_INTERPRET`` then. So each op folder's
+kernel module (``<folder>/triton_kernels.py``) is loaded twice at most, each copy under its own
+setting of that variable, and each launch picks the copy that fits the device of its tensors
+(:func:`kernels_for`). This keeps one process able to run compiled kernels on CUDA tensors and
+interpreted kernels on CPU tensors side by side (the GPU test run does both). A kernel module
+(and with it triton) is first imported at the first Triton launch, so CPU users need no triton.
+
+Input checks: shapes, dtypes and devices are always checked. Values (slot ids, block ids,
+lengths) are checked only when they live on the CPU, where reading them is free; on CUDA that
+would cost a device sync per call, so there the caller is trusted (documented in the README).
+Every check runs before anything is written, so a rejected call changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+# --------------------------------------------------------------------------- backend choice
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+ENV_VAR = "PAGEDATTN_BACKEND"
+
+
+def resolve_backend(device: torch.device, backend: str | None) -> Literal["torch", "triton"]:
+    """Return the implementation to use for tensors on ``device``.
+
+    ``backend`` None means: read ``PAGEDATTN_BACKEND`` (default ``auto``).
+    """
+    name = backend if backend is not None else os.environ.get(ENV_VAR, "auto") or "auto"
+    name = name.strip().lower()
+    if name not in BACKENDS:
+        where = "backend=" if backend is not None else f"${ENV_VAR}="
+        raise ValueError(f"{where}{name!r} is not a backend; use one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"the Triton backend runs on CUDA tensors (compiled) or CPU tensors (interpreted), "
+            f"not on {device.type!r}; use backend='torch'"
+        )
+    return name  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- interpreter switch
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@functools.cache
+def load_kernels(module: str, interpret: bool) -> ModuleType:
+    """The module of ``@triton.jit`` kernels named ``module`` (e.g.
+    ``"pagedattn_kernels.attention.triton_kernels"``), compiled (``interpret=False``) or
+    interpreted.
+
+    Cached: each variant is defined once per process.
+    """
+    if not module.startswith("pagedattn_kernels.") or not module.endswith(".triton_kernels"):
+        raise ValueError(
+            f"{module!r} is not a kernel module; kernels live in "
+            "pagedattn_kernels.<folder>.triton_kernels"
+        )
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError(
+            "the Triton backend needs the 'triton' package (pip install triton); "
+            "use backend='torch' to run without it"
+        )
+    if not interpret:
+        # The regular import: compiled unless the user set TRITON_INTERPRET=1 themselves.
+        return importlib.import_module(module)
+    # Triton imports its Gluon frontend lazily at the first launch, and that import asserts it
+    # sees either un-patched (compiled) language functions or TRITON_INTERPRET=1; inside an
+    # interpreted launch with the variable unset it sees neither. Import it up front.
+    with contextlib.suppress(ImportError):
+        importlib.import_module("triton.experimental.gluon")
+    package, _, leaf = module.rpartition(".")
+    name = f"{package}._{leaf}_interpreted"
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:  # pragma: no cover - broken install
+        raise RuntimeError(f"{module} is missing from this install")
+    copy_spec = importlib.util.spec_from_file_location(name, spec.origin)
+    if copy_spec is None or copy_spec.loader is None:  # pragma: no cover
+        raise RuntimeError(f"cannot load {spec.origin}")
+    copy = importlib.util.module_from_spec(copy_spec)
+    sys.modules[name] = copy
+    with _env("TRITON_INTERPRET", "1"):
+        copy_spec.loader.exec_module(copy)
+    return copy
+
+
+def kernels_for(device: torch.device, module: str) -> ModuleType:
+    """The kernels of ``module``: compiled for CUDA tensors, interpreted for CPU tensors."""
+    return load_kernels(module, device.type != "cuda")
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether a kernel from :func:`kernels_for` runs in Triton's interpreter (launchers pick
+    tile sizes and numerics workarounds by it)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# --------------------------------------------------------------------------- input checks
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def fail(op: str, message: str) -> ValueError:
+    return ValueError(f"{op}: {message}")
+
+
+def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise fail(op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise fail(op, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_index(op: str, name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+    """Integer tensor of the given shape (None = any size in that dim)."""
+    if not isinstance(t, torch.Tensor):
+        raise fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise fail(op, f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != len(shape) or any(
+        want is not None and got != want for got, want in zip(t.shape, shape)
+    ):
+        want_s = ", ".join("*" if w is None else str(w) for w in shape)
+        raise fail(op, f"{name} must have shape [{want_s}], got {tuple(t.shape)}")
+
+
+def check_same_device(op: str, device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            raise fail(op, f"{name} is on {t.device} but the caches are on {device}; move it")
+
+
+def check_caches(
+    op: str, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """Both caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, same shape and dtype."""
+    check_float(op, "key_cache", key_cache, 4)
+    check_float(op, "value_cache", value_cache, 4)
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise fail(
+            op,
+            f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
+            f"{tuple(value_cache.shape)} {value_cache.dtype} must match in shape and dtype",
+        )
+    if value_cache.device != key_cache.device:
+        raise fail(op, "key_cache and value_cache must be on one device")
+    nb, bs, hkv, d = key_cache.shape
+    if bs <= 0 or hkv <= 0 or d <= 0:
+        raise fail(op, f"cache shape {tuple(key_cache.shape)} has an empty dimension")
+    return nb, bs, hkv, d
+
+
+def check_unit_stride(op: str, **tensors: torch.Tensor) -> None:
+    """The Triton kernels address the head dim with stride 1."""
+    for name, t in tensors.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise fail(op, f"{name} needs stride 1 in its last dim (got {t.stride(-1)})")

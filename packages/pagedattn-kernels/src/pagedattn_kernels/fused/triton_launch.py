@@ -1,0 +1,151 @@
+"""Launchers of the fused elementwise kernels (``triton_kernels.py``): tile shapes, grids, and
+the constexpr flags that select the rounding of each dtype.
+
+Inputs arrive checked (``ops`` checks them); outputs are allocated by ``ops``. CUDA tensors get
+the compiled kernels, CPU tensors the same kernels in Triton's interpreter
+(``pagedattn_kernels.common.kernels_for``). Every launch passes ``enable_fp_fusion=False``: no
+multiply and add get contracted into one FMA where torch, running them as separate kernels,
+rounds twice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedattn_kernels.common import is_interpreted, kernels_for, next_power_of_2
+
+KERNELS = "pagedattn_kernels.fused.triton_kernels"
+
+#: Widest row the Triton RMSNorm takes (one program holds a whole row in registers).
+MAX_HIDDEN = 32768
+#: Largest ``heads x head_dim / 2`` tile the Triton rotary kernel takes per token.
+MAX_ROTARY_TILE = 32768
+
+_ROUND_NONE, _ROUND_CAST, _ROUND_BF16_BITS = 0, 1, 2  # triton_kernels.ROUND_*
+# Interpreted launches pay per operation, not per element: few programs with big tiles.
+_INTERPRETER_TILE = 1 << 16
+
+
+def _round_mode(dtype: torch.dtype, interpreted: bool) -> int:
+    if dtype == torch.float32:
+        return _ROUND_NONE
+    if dtype == torch.bfloat16 and interpreted:
+        return _ROUND_BF16_BITS
+    return _ROUND_CAST
+
+
+def row_view(t: torch.Tensor, width: int) -> torch.Tensor | None:
+    """``t [..., width]`` as a 2-D ``[rows, width]`` view with unit last stride, or None."""
+    if width > 1 and t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, width)
+    except RuntimeError:  # leading dims that no single stride spans
+        return None
+
+
+def read_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A read-only input as rows; a copy when its strides do not allow a view."""
+    rows = row_view(t, width)
+    return rows if rows is not None else t.reshape(-1, width).contiguous()
+
+
+@functools.cache
+def _fp32_reciprocal(n: int) -> float:
+    """fl32(1 / n): the factor torch's CUDA ``mean`` multiplies the sum by."""
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return float(one / torch.tensor(float(n), dtype=torch.float32))
+
+
+def rms_norm(
+    out: torch.Tensor,
+    residual_out: torch.Tensor | None,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    hidden: int,
+) -> None:
+    """``rms_norm_kernel`` over the rows of ``x [rows, hidden]``: the plain norm into ``out``
+    (``residual`` None), or, with ``residual``, the sum into ``residual_out`` and its norm into
+    ``out`` (both ops' Triton path)."""
+    num_rows = x.shape[0]
+    if num_rows == 0:
+        return
+    out2 = row_view(out, hidden)
+    res_out2 = row_view(residual_out, hidden) if residual_out is not None else out2
+    add = residual is not None
+    kernel = kernels_for(x.device, KERNELS).rms_norm_kernel
+    interpreted = is_interpreted(kernel)
+    block_h = next_power_of_2(hidden)
+    if interpreted:
+        rows = min(next_power_of_2(num_rows), max(1, _INTERPRETER_TILE // block_h))
+        num_warps = 4
+    else:  # small rows: several per program; wide rows: more warps (H200, hidden 4096: 8)
+        rows = max(1, 1024 // block_h)
+        tile = rows * block_h
+        num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+    residual = residual if add else x
+    kernel[(-(-num_rows // rows),)](
+        out2, res_out2, x, residual, weight, num_rows,
+        x.stride(0), residual.stride(0), out2.stride(0), res_out2.stride(0),
+        _fp32_reciprocal(hidden), eps,
+        HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, ADD=add,
+        ROUND=_round_mode(x.dtype, interpreted),
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int) -> None:
+    """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``."""
+    num_rows = x.shape[0]
+    if num_rows == 0:
+        return
+    out2 = row_view(out, inter)
+    kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
+    interpreted = is_interpreted(kernel)
+    if interpreted:
+        block = min(next_power_of_2(inter), _INTERPRETER_TILE)
+        rows = min(next_power_of_2(num_rows), max(1, _INTERPRETER_TILE // block))
+    else:  # 1024 elements per program: 16-byte accesses for 16-bit types with 4 warps
+        block = min(1024, next_power_of_2(inter))
+        rows = max(1, 1024 // block)
+    grid = (-(-num_rows // rows), -(-inter // block))
+    kernel[grid](
+        out2, x, num_rows, x.stride(0), out2.stride(0),
+        INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
+        LIBDEVICE=not interpreted, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, inv_freq: torch.Tensor
+) -> None:
+    """``rotary_kernel``: rotates ``query`` and ``key`` (or only ``query``) in place."""
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    half_pad = next_power_of_2(half)
+    has_key = key is not None and key.shape[1] > 0
+    k = key if has_key else query
+    block_qh = next_power_of_2(num_heads)
+    block_kh = next_power_of_2(k.shape[1]) if has_key else 1
+    kernel = kernels_for(query.device, KERNELS).rotary_kernel
+    interpreted = is_interpreted(kernel)
+    if interpreted:
+        rows = min(next_power_of_2(num_tokens), max(1, _INTERPRETER_TILE // (block_qh * half_pad)))
+        num_warps = 4
+    else:
+        rows = 1
+        num_warps = 4 if (block_qh + block_kh) * half_pad <= 4096 else 8
+    kernel[(-(-num_tokens // rows),)](
+        query, k, positions, inv_freq, num_tokens,
+        query.stride(0), query.stride(1), k.stride(0), k.stride(1),
+        NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], BLOCK_QH=block_qh, BLOCK_KH=block_kh,
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, HAS_KEY=has_key,
+        ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
