@@ -5,7 +5,7 @@ float32) so that greedy outputs match transformers token for token.
 
 On CUDA the norm (with the residual add fused in), SwiGLU's ``silu(gate) * up`` and the rotary
 embedding run as ``pagedattn_kernels``' fused Triton kernels, which repeat the roundings of the
-torch code below (see ``pagedattn_kernels.fused_ops``); on CPU the torch code runs, unchanged.
+torch code below (see ``pagedattn_kernels.fused``); on CPU the torch code runs, unchanged.
 """
 
 from __future__ import annotations
