@@ -47,6 +47,7 @@ from pagedkv.engine.sampler import (
 )
 from pagedkv.engine.sampling_params import SamplingParams, SamplingType
 from pagedkv.scheduler import (
+    AsyncScheduler,
     FinishReason,
     RequestParams,
     Scheduler,
@@ -156,7 +157,11 @@ class LLMEngine:
         # tensor_parallel_size 1: a ModelRunner; more: rank 0 of a tensor-parallel group
         self.runner = make_runner(self.model_config, args, self.device, model=model)
         mc = self.model_config
-        self.scheduler = Scheduler(SchedulerConfig(
+        # Asynchronous scheduling: only with a runner of this process (not tensor-parallel).
+        self._async = isinstance(self.runner, ModelRunner) and (
+            args.async_scheduling if args.async_scheduling is not None
+            else self.device.type == "cuda")
+        self.scheduler = (AsyncScheduler if self._async else Scheduler)(SchedulerConfig(
             block_size=args.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=self.runner.num_cpu_blocks,
@@ -183,10 +188,6 @@ class LLMEngine:
         # callers only the finished ones, and building the rest costs a copy of every live
         # sequence's tokens per step.
         self.emit_partial_outputs = True
-        # Asynchronous scheduling: only with a runner of this process (not tensor-parallel).
-        self._async = isinstance(self.runner, ModelRunner) and (
-            args.async_scheduling if args.async_scheduling is not None
-            else self.device.type == "cuda")
         self._inflight: _InFlight | None = None
         if self._async:
             pin = self.device.type == "cuda"
