@@ -520,30 +520,36 @@ class Scheduler:
     def _admit(self, g: SequenceGroup, budget: int) -> list[int] | None:
         """Register a waiting group's sequences with the block manager if its first chunk fits.
 
-        Keeps ``watermark`` blocks free unless nothing else runs (then the head of the queue
-        always starts, so the queue cannot stall). Returns the plan (tokens per sequence), with
-        each sequence's cached prefix counted as computed, or None when it does not fit now
-        (then nothing changed).
+        The sequences are registered first, so that each takes its cached prefix (prefix
+        caching) and the block manager can say exactly what the first chunk needs
+        (``group_blocks_needed``); when it does not fit they are freed again (with prefix caching
+        the cached blocks they took go back to the free queue, most recently used). Keeps
+        ``watermark`` blocks free unless nothing else runs (then the head of the queue always
+        starts, so the queue cannot stall). Returns the plan (tokens per sequence), with each
+        sequence's cached prefix counted as computed, or None when it does not fit now.
         """
         bm = self.block_manager
         seqs = g.seqs
-        key = g.extra_key
-        cached = [bm.peek_prefix(s.token_ids, extra_key=key) for s in seqs]
+        ids = [s.seq_id for s in seqs]
+        cached = [bm.allocate(s.seq_id, s.token_ids, extra_key=g.extra_key) for s in seqs]
         ts = self._plan([len(s.token_ids) - c for s, c in zip(seqs, cached)], budget)
-        if not any(ts):
-            return None
-        need = bm.blocks_needed_to_admit([s.token_ids for s in seqs], ts, extra_key=key)
-        free = bm.num_free_blocks
-        if self._running:
-            if free - need < self._wm:
-                return None
-        elif need > free:
+        if any(ts):
+            need = bm.group_blocks_needed(ids, ts)
+            free = bm.num_free_blocks
+            if self._running:
+                fits = free - need >= self._wm
+            else:
+                fits = need <= free
+            if fits:
+                for s, c in zip(seqs, cached):
+                    s.num_computed_tokens = c
+                return ts
+        for i in ids:
+            bm.free(i)
+        if any(ts) and not self._running:
             # Nothing else holds memory and the first chunk alone does not fit: never will.
             self._end_for_lack_of_memory(g)
-            return None
-        for s in seqs:
-            s.num_computed_tokens = bm.allocate(s.seq_id, s.token_ids, extra_key=key)
-        return ts
+        return None
 
     def _to_running(self, g: SequenceGroup) -> None:
         g.state = _RUNNING
