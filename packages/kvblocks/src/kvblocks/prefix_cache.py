@@ -29,7 +29,7 @@ from kvblocks.cache_entry import CacheEntry
 from kvblocks.pool import BlockPool
 from kvblocks.table import BlockTable
 
-__all__ = ["CacheEntry", "HashFn", "PrefixCache", "default_hash_fn"]
+__all__ = ["HashFn", "PrefixCache", "default_hash_fn"]
 
 #: ``hash_fn(parent_hash, block_token_ids, extra_key) -> hashable``; ``parent_hash`` is None for
 #: the first block of a sequence and ``block_token_ids`` a tuple of ``block_size`` ints.
