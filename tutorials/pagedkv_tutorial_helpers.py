@@ -110,8 +110,9 @@ class PagingDemo:
     """Several sequences prefill their prompts, then decode one token per step.
 
     The memory is a real ``kvblocks.BlockManager``: at step 0 every prompt's slots are reserved
-    (``grow`` by the prompt length); at each later step every unfinished sequence appends one token
-    and grows by one slot, which takes a new physical block only when its last block is full.
+    (``allocate_slots`` by the prompt length); at each later step every unfinished sequence appends
+    one token to its own token list (which the manager reads) and reserves one more slot, which
+    takes a new physical block only when its last block is full.
     ``contiguous_len`` is what a contiguous allocator must reserve per sequence up front (the
     maximum sequence length it could reach), the baseline of the waste comparison.
     """
@@ -144,6 +145,7 @@ class PagingDemo:
             for i, s in enumerate(self.specs)
         }
         self.manager: Any = None
+        self._live: dict[int, list[int]] = {}
         self.step = -1
         self._new_blocks: list[int] = []
         self.reset()
@@ -154,9 +156,11 @@ class PagingDemo:
 
         self.manager = BlockManager(block_size=self.block_size, num_gpu_blocks=self.num_gpu_blocks)
         before = set()
+        # Each sequence's live token list: ours, the manager keeps a reference to it.
+        self._live = {i: self._tokens[i][: s.prompt_len] for i, s in enumerate(self.specs)}
         for i, s in enumerate(self.specs):
-            self.manager.allocate(i, self._tokens[i][: s.prompt_len])
-            self.manager.grow(i, s.prompt_len)
+            self.manager.allocate(i, self._live[i])
+            self.manager.allocate_slots(i, s.prompt_len)
         self._new_blocks = sorted(self._used_blocks() - before)
         self.step = 0
 
@@ -171,8 +175,8 @@ class PagingDemo:
         for i, s in enumerate(self.specs):
             n = self.manager.num_tokens(i)
             if n < s.prompt_len + s.output_len:
-                self.manager.append_token_ids(i, [self._tokens[i][n]])
-                self.manager.grow(i, 1)
+                self._live[i].append(self._tokens[i][n])
+                self.manager.allocate_slots(i, 1)
         self.step += 1
         self._new_blocks = sorted(self._used_blocks() - before)
 
@@ -1227,7 +1231,7 @@ def prefix_sharing_blocks(
     for i, p in enumerate(prompts):
         hit = bm.allocate(i, list(p))
         cached += hit
-        bm.grow(i, len(p) - hit)
+        bm.allocate_slots(i, len(p) - hit)
     st = bm.stats()
     return {
         "blocks": st.gpu_used,

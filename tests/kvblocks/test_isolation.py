@@ -32,3 +32,36 @@ def test_import_kvblocks_leaves_torch_out() -> None:
     assert third_party <= {"__main__", "_distutils_hack", "_virtualenv", "sitecustomize"}, (
         third_party
     )
+
+
+def test_kvblocks_modules_import_each_other_without_a_cycle() -> None:
+    """Every import between kvblocks' modules (including ``if TYPE_CHECKING:`` ones) goes one
+    way: the dependency graph is acyclic, so no module needs a deferred import to load."""
+    import ast
+    from pathlib import Path
+
+    import kvblocks
+
+    pkg = Path(kvblocks.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in pkg.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvblocks."):
+                deps.add(node.module.split(".")[1])
+        graph[path.stem] = deps
+    assert graph["prefix_cache"] >= {"table", "cache_entry"}  # what used to be a cycle
+    done: set[str] = set()
+
+    def visit(mod: str, path: tuple[str, ...]) -> None:
+        assert mod not in path, f"import cycle: {' -> '.join((*path, mod))}"
+        if mod in done:
+            return
+        for dep in graph.get(mod, ()):
+            visit(dep, (*path, mod))
+        done.add(mod)
+
+    for mod in graph:
+        visit(mod, ())

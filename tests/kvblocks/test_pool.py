@@ -17,8 +17,8 @@ def pool_state(p: BlockPool) -> tuple:
 
 
 def test_allocates_in_id_order_and_counts() -> None:
-    p = BlockPool(4, 16)
-    assert (p.num_blocks, p.block_size, p.device) == (4, 16, "gpu")
+    p = BlockPool(4)
+    assert (p.num_blocks, p.device) == (4, "gpu")
     assert p.free_block_ids() == [0, 1, 2, 3]
     assert [p.allocate(), p.allocate()] == [0, 1]
     assert (p.num_free, p.num_used) == (2, 2)
@@ -27,7 +27,7 @@ def test_allocates_in_id_order_and_counts() -> None:
 
 
 def test_freed_uncached_blocks_are_reused_first_lifo() -> None:
-    p = BlockPool(5, 4, device="cpu")
+    p = BlockPool(5, device="cpu")
     assert p.allocate_n(4) == [0, 1, 2, 3]
     p.decref(1)
     p.decref(3)
@@ -36,7 +36,7 @@ def test_freed_uncached_blocks_are_reused_first_lifo() -> None:
 
 
 def test_ref_counts_share_and_release() -> None:
-    p = BlockPool(3, 4)
+    p = BlockPool(3)
     b = p.allocate()
     p.incref(b)
     p.incref(b)
@@ -50,7 +50,7 @@ def test_ref_counts_share_and_release() -> None:
 
 
 def test_cached_blocks_go_to_tail_and_touch_unlinks_from_middle() -> None:
-    p = BlockPool(6, 4)
+    p = BlockPool(6)
     evicted: list[int] = []
     p.on_evict = evicted.append
     assert p.allocate_n(4) == [0, 1, 2, 3]
@@ -74,7 +74,7 @@ def test_cached_blocks_go_to_tail_and_touch_unlinks_from_middle() -> None:
 
 
 def test_empty_pool() -> None:
-    p = BlockPool(0, 16)
+    p = BlockPool(0)
     assert p.num_free == 0 and p.free_block_ids() == []
     with pytest.raises(NoFreeBlocksError, match="no free gpu block"):
         p.allocate()
@@ -94,7 +94,7 @@ def test_empty_pool() -> None:
     ],
 )
 def test_misuse_raises_and_changes_nothing(op, exc, msg) -> None:
-    p = BlockPool(3, 4)
+    p = BlockPool(3)
     p.allocate_n(2)
     p.decref(0)
     p.allocate()
@@ -107,6 +107,9 @@ def test_misuse_raises_and_changes_nothing(op, exc, msg) -> None:
 
 def test_bad_construction() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
-        BlockPool(-1, 16)
-    with pytest.raises(ValueError, match="block_size"):
-        BlockPool(4, 0)
+        BlockPool(-1)
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(True)
+    # A pool counts blocks only; the block size belongs to the BlockManager (checked once there).
+    with pytest.raises(TypeError):
+        BlockPool(4, 16)  # type: ignore[misc]

@@ -1,6 +1,8 @@
 """Random operation sequences against the block manager, checked after every step.
 
-The machine keeps a shadow of the KV memory: every slot that `grow` reserves is "written" with
+The machine plays the caller: it owns each sequence's token list (kvblocks keeps a reference and
+only reads it) and appends to it. It keeps a shadow of the KV memory: every slot that
+`allocate_slots` reserves is "written" with
 the full context of its position (the token ids up to and including it), copy-on-write pairs and
 swap maps are carried out on the shadow, and after every step each sequence must read back its
 own context from its slots. That one check catches wrong sharing (a prefix hit or a fork giving
@@ -12,7 +14,9 @@ pools are audited independently of the manager's own bookkeeping:
   no reference (its unreferenced blocks sit in the free queue, evictable);
 * free + used == total, per pool; uncached free blocks come before cached ones in the queue;
 * a table has exactly ceil(num_slots / block_size) blocks (waste <= one partly filled block);
-* after every sequence is freed, no block is leaked.
+* after every sequence is freed, no block is leaked;
+* `allocate_slots` returns None exactly when `blocks_needed` exceeds `num_free_blocks`, and then
+  changes nothing (full snapshots compared); the group and admission counts are exact.
 
 The manager is built with the default hash, a constant hash (every block collides) or a hash
 that ignores a block's first token (collisions that keep parent hashes equal).
@@ -30,7 +34,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvblocks import BlockManager, NoFreeBlocksError, SwapSpaceError
+from kvblocks import BlockManager, SwapSpaceError
 
 BS = 4
 MAX_SEQS = 10
@@ -62,6 +66,7 @@ class KVBlocksMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.m: BlockManager | None = None
+        self.tokens: dict[int, list[int]] = {}  # the caller's token lists
         self.kv: dict[str, dict[int, tuple[int, ...]]] = {"gpu": {}, "cpu": {}}
         self.next_id = 0
 
@@ -95,15 +100,16 @@ class KVBlocksMachine(RuleBasedStateMachine):
         m = self.m
         old = m.num_slots(s)
         need = m.blocks_needed(s, n)
-        free_before = m.gpu_pool.num_free
-        if not m.can_grow(s, n):
+        free_before = m.num_free_blocks
+        assert free_before == m.gpu_pool.num_free
+        if need > free_before:
             before = m.debug_snapshot()
-            with pytest.raises(NoFreeBlocksError):
-                m.grow(s, n)
+            assert m.allocate_slots(s, n) is None
             assert m.debug_snapshot() == before
-            event("grow refused: no free blocks")
+            event("allocate_slots refused: no free blocks")
             return
-        copies = m.grow(s, n)
+        copies = m.allocate_slots(s, n)
+        assert copies is not None, "None although blocks_needed <= num_free_blocks"
         assert free_before - m.gpu_pool.num_free == need
         assert len(copies) <= 1
         if copies:
@@ -148,9 +154,13 @@ class KVBlocksMachine(RuleBasedStateMachine):
         self.next_id += 1
         expected = m.peek_prefix(prompt, extra_key=extra)
         admit = m.blocks_needed_for(prompt, extra_key=extra)
+        assert admit == m.blocks_needed_to_admit(
+            [prompt], [len(prompt) - expected], extra_key=extra
+        )
         free0 = m.gpu_pool.num_free
         q0 = m.stats().prefix_cache_queries
-        cached = m.allocate(s, prompt, extra_key=extra)
+        self.tokens[s] = tokens = list(prompt)
+        cached = m.allocate(s, tokens, extra_key=extra)
         assert cached == expected
         if cached:
             event("prefix hit")
@@ -160,7 +170,7 @@ class KVBlocksMachine(RuleBasedStateMachine):
             assert m.stats().prefix_cache_queries - q0 == (len(prompt) - 1) // BS
         else:
             assert cached == 0
-        if prefill and m.can_grow(s, len(prompt) - cached):
+        if prefill and m.blocks_needed(s, len(prompt) - cached) <= m.num_free_blocks:
             self._grow(s, len(prompt) - cached)
             assert free0 - m.gpu_pool.num_free == admit
         elif prefill:
@@ -181,7 +191,7 @@ class KVBlocksMachine(RuleBasedStateMachine):
         if s is None:
             return
         n = self.m.num_tokens(s)
-        self.m.append_token_ids(s, toks)
+        self.tokens[s].extend(toks)
         assert self.m.num_tokens(s) == n + len(toks)
 
     @rule(i=picks, tok=st.integers(0, 3))
@@ -193,7 +203,7 @@ class KVBlocksMachine(RuleBasedStateMachine):
         room = self.m.num_tokens(s) - self.m.num_slots(s)
         if room:
             self._grow(s, room)
-        self.m.append_token_ids(s, [tok])
+        self.tokens[s].append(tok)
         self._grow(s, 1)
 
     @rule(i=picks)
@@ -204,7 +214,8 @@ class KVBlocksMachine(RuleBasedStateMachine):
             return
         child = self.next_id
         self.next_id += 1
-        m.fork(parent, child)
+        self.tokens[child] = self.tokens[parent].copy()
+        m.fork(parent, child, self.tokens[child])
         assert m.block_table(child) == m.block_table(parent)
         assert m.token_ids(child) == m.token_ids(parent)
         assert m.num_slots(child) == m.num_slots(parent)
@@ -219,19 +230,52 @@ class KVBlocksMachine(RuleBasedStateMachine):
             return
         child = self.next_id
         self.next_id += 1
-        m.fork(parent, child)
+        self.tokens[child] = self.tokens[parent].copy()
+        m.fork(parent, child, self.tokens[child])
         for s, tok in ((parent, toks[0]), (child, toks[1])):
             room = m.num_tokens(s) - m.num_slots(s)
             if room:
                 self._grow(s, room)
-            m.append_token_ids(s, [tok])
+            self.tokens[s].append(tok)
             self._grow(s, 1)
+
+    @rule(i=picks, tok=st.integers(0, 3), quarters=st.integers(0, 4))
+    def group_decode(self, i: int, tok: int, quarters: int) -> None:
+        """A sequence group (all GPU sequences sharing a block with the picked one) grows
+        together, as the scheduler grows parallel samples: `group_blocks_needed` must be the
+        exact number of blocks taken, whatever the order of the growth."""
+        m = self.m
+        first = self.pick(i, "gpu")
+        if first is None:
+            return
+        mine = set(m.block_table(first))
+        group = [first] + [
+            s for s in self.ids("gpu") if s != first and mine & set(m.block_table(s))
+        ]
+        ns = []
+        for s in group:
+            self.tokens[s].append(tok)
+            room = m.num_tokens(s) - m.num_slots(s)
+            ns.append(room if quarters == 4 else room * quarters // 4)
+        need = m.group_blocks_needed(group, ns)
+        assert need <= sum(m.blocks_needed(s, n) for s, n in zip(group, ns))
+        if need > m.num_free_blocks:
+            event("group does not fit")
+            return
+        free0 = m.num_free_blocks
+        for s, n in reversed(list(zip(group, ns))):
+            if n:
+                self._grow(s, n)
+        assert free0 - m.num_free_blocks == need
+        if len(group) > 1:
+            event("group growth")
 
     @rule(i=picks)
     def free(self, i: int) -> None:
         s = self.pick(i)
         if s is not None:
             self.m.free(s)
+            del self.tokens[s]
 
     @rule(picks_=st.lists(picks, min_size=1, max_size=4), family=st.booleans())
     def swap_out(self, picks_: list[int], family: bool) -> None:
@@ -251,6 +295,9 @@ class KVBlocksMachine(RuleBasedStateMachine):
             mine = set(m.block_table(group[0]))
             group += [s for s in self.ids(src) if s not in group and mine & set(m.block_table(s))]
         distinct = {b for s in group for b in m.block_table(s)}
+        if dst == "gpu":
+            bound = m.blocks_needed_to_swap_in(group, [0] * len(group))
+            assert len(distinct) <= bound <= len(distinct) + len(group)
         can = m.can_swap_out(group) if dst == "cpu" else m.can_swap_in(group)
         assert can == (len(distinct) <= self.pool(dst).num_free)
         op = m.swap_out if dst == "cpu" else m.swap_in
@@ -286,7 +333,7 @@ class KVBlocksMachine(RuleBasedStateMachine):
             if kind == 0:
                 m.free(10**9)
             elif kind == 1:
-                m.fork(s, s)
+                m.fork(s, s, self.tokens[s].copy())
             elif kind == 2:
                 (m.swap_in if m.location(s) == "gpu" else m.swap_out)([s])
             elif kind == 3:
@@ -362,6 +409,7 @@ class KVBlocksMachine(RuleBasedStateMachine):
         m.check_invariants()
         for s in m.seq_ids():
             m.free(s)
+            del self.tokens[s]
         assert m.gpu_pool.num_free == m.gpu_pool.num_blocks
         assert m.cpu_pool.num_free == m.cpu_pool.num_blocks
         assert all(m.gpu_pool.ref_count(b) == 0 for b in range(m.gpu_pool.num_blocks))

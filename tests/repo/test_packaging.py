@@ -180,11 +180,13 @@ assert sys.prefix != sys.base_prefix
 assert Path(kvblocks.__file__).resolve().is_relative_to(Path({str(env_dir)!r}).resolve()), kvblocks.__file__
 assert importlib.util.find_spec("pagedkv") is None, "only kvblocks may be installed"
 m = BlockManager(block_size=16, num_gpu_blocks=4, num_cpu_blocks=2)
-m.allocate(0, range(20))
-assert m.grow(0, 20) == () and m.block_table(0) == [0, 1]
-m.fork(0, 1)
-m.append_token_ids(1, [5])
-assert m.grow(1, 1) == ((1, 2),)
+tokens = list(range(20))
+m.allocate(0, tokens)
+assert m.allocate_slots(0, 20) == () and m.block_table(0) == [0, 1]
+child = tokens.copy()
+m.fork(0, 1, child)
+child.append(5)
+assert m.allocate_slots(1, 1) == ((1, 2),)
 assert m.swap_out([0]) == {{0: 0, 1: 1}}
 assert "torch" not in sys.modules
 print("ok", kvblocks.__version__)

@@ -247,8 +247,9 @@ def check_states(sched: Scheduler) -> None:
 def assert_all_free(sched: Scheduler) -> None:
     bm = sched.block_manager
     assert bm.num_seqs == 0
-    assert bm.gpu_pool.num_free == bm.gpu_pool.num_blocks
-    assert bm.cpu_pool.num_free == bm.cpu_pool.num_blocks
+    st = bm.stats()
+    assert bm.num_free_blocks == st.gpu_free == st.gpu_total
+    assert st.cpu_free == st.cpu_total
     bm.check_invariants()
 
 
@@ -269,6 +270,35 @@ def drive(
             check_step(sched, out)
         outs.append(out)
         sched.update(out, model.run(out))
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def drive_ahead(sched, model: FakeModel, max_steps: int = 10_000) -> int:
+    """Run an ``AsyncScheduler`` as the asynchronous engine does (schedule ahead whenever
+    ``can_schedule_ahead()``, else apply the step in flight and schedule plainly) until nothing
+    is unfinished; return how many steps were scheduled ahead."""
+    inflight = None
+    ahead = 0
+    for _ in range(max_steps):
+        if not sched.has_unfinished() and inflight is None:
+            return ahead
+        if inflight is not None and sched.can_schedule_ahead():
+            out = sched.schedule_ahead()
+            ahead += 1
+            tokens = {sid: toks[0] for sid, toks in inflight[1].items() if len(toks) == 1}
+            samples = model.run(out, tokens)
+            sched.update(*inflight)
+        else:
+            if inflight is not None:
+                sched.update(*inflight)
+            out = sched.schedule()
+            check_step(sched, out)
+            samples = model.run(out)
+        inflight = (out, samples)
+        check_states(sched)
+        if not sched.has_unfinished():
+            sched.update(*inflight)
+            inflight = None
     raise AssertionError(f"not finished after {max_steps} steps")
 
 

@@ -26,6 +26,7 @@ from sched_harness import (
 )
 
 from pagedkv.scheduler import (
+    AsyncScheduler,
     FinishReason,
     RequestParams,
     Scheduler,
@@ -195,7 +196,7 @@ def test_scheduling_ahead_gives_the_same_outputs(scenario):
     applied (the fake model reads the token in flight from that batch's samples); otherwise
     the one in flight is applied first. Same outputs as the reference, nothing leaked."""
     cfg, reqs = scenario
-    sched = Scheduler(cfg)
+    sched = AsyncScheduler(cfg)
     model = FakeModel(sched)
     groups = {}
     aborted = set()

@@ -11,11 +11,13 @@ from sched_harness import (
     check_states,
     check_step,
     drive,
+    drive_ahead,
     make,
     reference_outputs,
 )
 
 from pagedkv.scheduler import (
+    AsyncScheduler,
     FinishReason,
     PreemptionMode,
     RequestParams,
@@ -136,7 +138,7 @@ def test_watermark_holds_back_admission_unless_nothing_runs():
     out, _ = step(sched)
     # big is admitted although it leaves 10 free (nothing else runs); next would leave 3 < 4
     assert plan(out) == [("big", 0, 40, True)]
-    assert sched.block_manager.gpu_pool.num_free == 10
+    assert sched.block_manager.num_free_blocks == 10
     sched.abort("big")
     out, _ = step(sched)
     assert plan(out) == [("next", 0, 28, True)]
@@ -163,7 +165,7 @@ def test_preemption_picks_the_latest_arrival_recompute():
     out = sched.schedule()
     groups = {g.request_id: g for g in sched.running}
     assert plan(out) == [("a", 0, 4, True), ("b", 0, 2, True), ("c", 0, 2, True)]
-    assert sched.block_manager.gpu_pool.num_free == 0
+    assert sched.block_manager.num_free_blocks == 0
     sched.update(out, model.run(out))
     out = sched.schedule()
     # a needs a second block for position 4: c (latest) goes, b (earlier) stays
@@ -227,7 +229,7 @@ def test_swapped_groups_resume_before_new_requests():
         out = sched.schedule()
         sched.update(out, model.run(out))
     assert out.preempted == [("c", PreemptionMode.SWAP)]
-    assert sched.block_manager.gpu_pool.num_free == 1
+    assert sched.block_manager.num_free_blocks == 1
     sched.add_request("new", [9], RequestParams(max_tokens=1))  # would fit in that block
     out = sched.schedule()
     assert plan(out) == [("a", 5, 1, True), ("b", 3, 1, True)]
@@ -304,7 +306,7 @@ def test_abort_mid_prefill_between_schedule_and_update():
     out = sched.schedule()
     assert plan(out) == [("long", 0, 8, False)]
     assert sched.abort("long")
-    assert sched.block_manager.gpu_pool.num_free == 16  # freed at once
+    assert sched.block_manager.num_free_blocks == 16  # freed at once
     sched.update(out, {})
     out, _ = step(sched)
     assert plan(out) == [("short", 0, 1, True)]
@@ -329,9 +331,9 @@ def test_abort_swapped_request_frees_cpu_blocks():
     for _ in range(2):
         out = sched.schedule()
         sched.update(out, model.run(out))
-    assert sched.block_manager.cpu_pool.num_free == 3
+    assert sched.block_manager.stats().cpu_free == 3
     assert sched.abort("c")
-    assert sched.block_manager.cpu_pool.num_free == 4
+    assert sched.block_manager.stats().cpu_free == 4
     assert sched.num_swapped == 0
     drive(sched, model)
     assert_all_free(sched)
@@ -532,4 +534,41 @@ def test_cached_prefix_blocks_count_as_computed():
     out, _ = step(sched)
     assert plan(out) == [("second", 8, 1, True)]  # two full blocks cached
     assert sched.stats().kv.prefix_cache_hits == 2
+    assert_all_free(sched)
+
+
+# --------------------------------------------------------------- scheduling ahead
+def test_schedule_ahead_leaves_room_for_a_prefill_chunk():
+    """Regression (found by the property test): can_schedule_ahead() used to count one free
+    block per running sequence, but a sequence still in its chunked prefill takes a block per
+    token here (block size 1), and schedule_ahead() then ran out of blocks. It now asks the
+    block manager what each prefill chunk needs."""
+    sched = AsyncScheduler(
+        SchedulerConfig(
+            block_size=1,
+            num_gpu_blocks=9,
+            max_num_seqs=2,
+            max_num_batched_tokens=4,
+            max_model_len=7,
+            watermark=0.0,
+        )
+    )
+    prompts = {"req0": [0], "req1": [0], "req2": [0, 0, 0, 0]}
+    params = RequestParams(max_tokens=None)
+    groups = {rid: sched.add_request(rid, p, params) for rid, p in prompts.items()}
+    model = FakeModel(sched)
+    assert drive_ahead(sched, model) > 0
+    assert not model.corruptions
+    assert_all_free(sched)
+    for rid, prompt in prompts.items():
+        assert actual_outputs(groups[rid]) == reference_outputs(rid, prompt, params, 7)
+
+
+def test_plain_scheduler_has_no_schedule_ahead():
+    """Scheduling ahead lives in AsyncScheduler only; the plain scheduler never has
+    placeholders."""
+    sched = make(block_size=4, num_gpu_blocks=8, max_model_len=16)
+    assert not hasattr(sched, "schedule_ahead") and not hasattr(sched, "can_schedule_ahead")
+    sched.add_request("a", [1, 2], RequestParams(max_tokens=3))
+    drive(sched)
     assert_all_free(sched)

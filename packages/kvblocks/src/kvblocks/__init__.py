@@ -10,12 +10,17 @@ Quick use::
     from kvblocks import BlockManager
 
     m = BlockManager(block_size=16, num_gpu_blocks=1024, num_cpu_blocks=256)
-    m.allocate(seq_id=0, token_ids=prompt)        # cached tokens (prefix caching) or 0
-    m.grow(0, len(prompt))                         # reserve KV slots -> copy-on-write pairs
-    m.slots(0, 0, len(prompt))                     # slot mapping for the forward pass
+    tokens = list(prompt)                          # yours: the manager keeps a reference
+    m.allocate(0, tokens)                          # cached tokens (prefix caching) or 0
+    m.allocate_slots(0, len(tokens))               # reserve KV slots -> copy-on-write pairs,
+                                                   # or None when blocks run out (no change)
+    m.slots(0, 0, len(tokens))                     # slot mapping for the forward pass
+    tokens.append(next_token)                      # decode: append, then reserve its slot
+    m.allocate_slots(0, 1)
 """
 
 from kvblocks.__about__ import __version__
+from kvblocks.cache_entry import CacheEntry
 from kvblocks.errors import (
     BlockLimitError,
     DoubleFreeError,
@@ -27,9 +32,10 @@ from kvblocks.errors import (
     SwapSpaceError,
     UnknownSequenceError,
 )
+from kvblocks.layout import check_block_size, slot_of
 from kvblocks.manager import BlockManager, InvariantError
 from kvblocks.pool import BlockPool
-from kvblocks.prefix_cache import CacheEntry, HashFn, PrefixCache, default_hash_fn
+from kvblocks.prefix_cache import HashFn, PrefixCache, default_hash_fn
 from kvblocks.stats import KVStats
 from kvblocks.table import BlockTable
 
@@ -52,5 +58,7 @@ __all__ = [
     "SwapSpaceError",
     "UnknownSequenceError",
     "__version__",
+    "check_block_size",
     "default_hash_fn",
+    "slot_of",
 ]

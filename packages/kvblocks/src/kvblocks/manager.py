@@ -4,7 +4,9 @@ Why it exists: PagedAttention lets each sequence see contiguous logical blocks w
 in physical blocks scattered over memory. This module decides which physical block backs which
 logical block, and nothing else: it speaks in ints (sequence ids, block ids, slots), never
 touches tensors, and returns plans (copy-on-write pairs, swap maps) that the model runner carries
-out on the device.
+out on the device. It owns all block arithmetic: a caller (the scheduler) asks it how many blocks
+an operation needs (:meth:`BlockManager.blocks_needed` and friends) and how many are free
+(:attr:`BlockManager.num_free_blocks`), and never counts blocks itself.
 
 Rules it keeps (``check_invariants`` verifies them, tests check them independently):
 
@@ -15,30 +17,33 @@ Rules it keeps (``check_invariants`` verifies them, tests check them independent
   wastes at most one partly filled block;
 * a block that is shared (ref count > 1) is never written: the partly filled last block is copied
   on write before a sequence appends to it;
-* operations validate everything first and then commit, so one that raises leaves all state as
-  it was.
+* operations validate everything first and then commit, so one that raises (or
+  :meth:`BlockManager.allocate_slots` returning None) leaves all state as it was.
 
-The decode hot path (``append_token_ids`` then ``grow(seq, 1)`` for every running sequence) is a
-dict lookup and a few int operations, with no allocation when no block is needed (``grow``
-returns the shared empty tuple). Block size is a power of two so position -> (block, offset) is
-a shift and a mask.
+Tokens are stored once, by their owner: :meth:`BlockManager.allocate` keeps a reference to the
+caller's live token list, which the caller appends to; the manager only reads it.
+
+The decode hot path (the caller appends the sampled token to its list, then
+``allocate_slots(seq, 1)`` for every running sequence) is a dict lookup and a few int
+operations, with no allocation when no block is needed (it returns the shared empty tuple).
+Block size is a power of two so position -> (block, offset) is a shift and a mask.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from kvblocks.errors import (
     BlockLimitError,
     KVBlocksError,
-    NoFreeBlocksError,
     SequenceExistsError,
     SwapError,
     SwapSpaceError,
     UnknownSequenceError,
 )
+from kvblocks.layout import check_block_size, slot_of
 from kvblocks.pool import BlockPool
 from kvblocks.prefix_cache import HashFn, PrefixCache
 from kvblocks.stats import KVStats
@@ -48,6 +53,8 @@ __all__ = ["BlockManager", "InvariantError"]
 
 logger = logging.getLogger(__name__)
 
+#: What :meth:`BlockManager.allocate_slots` returns when nothing has to be copied (shared, so the
+#: hot path allocates nothing).
 _NO_COPY: tuple[tuple[int, int], ...] = ()
 
 
@@ -91,10 +98,14 @@ class BlockManager:
         max_blocks_per_seq: int | None = None,
         hash_fn: HashFn | None = None,
     ) -> None:
-        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(
-                f"block_size must be a power of two (1, 2, 4, 8, 16, 32, ...), got {block_size!r}"
-            )
+        """Create empty pools of ``num_gpu_blocks`` and ``num_cpu_blocks`` blocks.
+
+        ``block_size`` (tokens per block, a power of two, checked by
+        :func:`kvblocks.check_block_size`) is read by everyone from :attr:`block_size`.
+        ``max_blocks_per_seq`` caps one sequence's block table (None: no cap). ``hash_fn``
+        replaces the prefix cache's block hash (tests inject colliding ones).
+        """
+        check_block_size(block_size)
         if max_blocks_per_seq is not None and (
             not _is_int(max_blocks_per_seq) or max_blocks_per_seq < 1
         ):
@@ -103,9 +114,10 @@ class BlockManager:
             )
         if hash_fn is not None and not callable(hash_fn):
             raise ValueError(f"hash_fn must be callable, got {hash_fn!r}")
+        #: Tokens per block: the one place the block size is stored (everyone reads it here).
         self.block_size: int = block_size
-        self.gpu_pool = BlockPool(num_gpu_blocks, block_size, device="gpu")
-        self.cpu_pool = BlockPool(num_cpu_blocks, block_size, device="cpu")
+        self.gpu_pool = BlockPool(num_gpu_blocks, device="gpu")
+        self.cpu_pool = BlockPool(num_cpu_blocks, device="cpu")
         self.max_blocks_per_seq: int | None = max_blocks_per_seq
         self.enable_prefix_caching: bool = bool(enable_prefix_caching)
         self._shift = block_size.bit_length() - 1
@@ -113,7 +125,7 @@ class BlockManager:
         self._seqs: dict[int, BlockTable] = {}
         self._gpu_ref = self.gpu_pool._ref
         self._cache: PrefixCache | None = (
-            PrefixCache(self.gpu_pool, hash_fn) if enable_prefix_caching else None
+            PrefixCache(self.gpu_pool, block_size, hash_fn) if enable_prefix_caching else None
         )
         self._queries = 0
         self._hits = 0
@@ -148,22 +160,55 @@ class BlockManager:
         if not _is_int(n) or n < 0:  # type: ignore[operator]
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
 
+    def _check_extra_key(self, extra_key: object) -> None:
+        try:
+            hash(extra_key)
+        except TypeError:
+            raise ValueError(f"extra_key must be hashable, got {extra_key!r}") from None
+
+    def _counts(self, num_new_tokens: Iterable[int], n_seqs: int, what: str) -> list[int]:
+        ns = list(num_new_tokens)
+        if len(ns) != n_seqs:
+            raise ValueError(
+                f"{what}: {len(ns)} token counts for {n_seqs} sequences; give one per sequence"
+            )
+        for n in ns:
+            self._check_count(n, "num_new_tokens")
+        return ns
+
+    def _distinct(self, seq_ids: Iterable[int], what: str) -> list[int]:
+        ids = list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what}: the group {ids!r} names a sequence twice")
+        return ids
+
     # ============================================================ lifecycle
     def allocate(
-        self, seq_id: int, token_ids: Iterable[int], *, extra_key: Hashable | None = None
+        self, seq_id: int, token_ids: list[int], *, extra_key: Hashable | None = None
     ) -> int:
-        """Register a sequence with its known token ids; return the number of cached tokens.
+        """Register a sequence with its live token list; return the number of cached tokens.
+
+        ``token_ids`` is the caller's own list of the sequence's known tokens (prompt, then
+        generated ones). The manager keeps a *reference* to it and never changes it: the caller
+        owns it and appends each new token to it (before reserving that token's slot with
+        :meth:`allocate_slots`), so every token is stored once. Never reorder or shrink it.
 
         With prefix caching the sequence takes the longest run of cached full blocks, at most
         ``(len(token_ids) - 1) // block_size`` of them (one token is always left to compute);
         the return value is their token count. Without, nothing is allocated and 0 is returned.
-        KV slots for the rest are reserved later by :meth:`grow`.
+        KV slots for the rest are reserved later by :meth:`allocate_slots`.
         """
         if seq_id in self._seqs:
             raise SequenceExistsError(
                 f"sequence {seq_id!r} already exists; free() it first or use another id"
             )
-        tokens = list(token_ids)
+        if not isinstance(token_ids, list):
+            raise ValueError(
+                f"sequence {seq_id!r}: token_ids must be a list that you own and append to "
+                f"(the manager keeps a reference to it), got {type(token_ids).__name__}; "
+                "pass list(...)"
+            )
+        tokens = token_ids
         if not tokens:
             raise ValueError(f"sequence {seq_id!r}: token_ids is empty; give at least one token")
         limit = self.max_blocks_per_seq
@@ -173,10 +218,7 @@ class BlockManager:
                 f"{limit * self.block_size} fit (max_blocks_per_seq={limit} x block_size="
                 f"{self.block_size}); shorten the prompt"
             )
-        try:
-            hash(extra_key)
-        except TypeError:
-            raise ValueError(f"extra_key must be hashable, got {extra_key!r}") from None
+        self._check_extra_key(extra_key)
         seq = BlockTable(seq_id, [], tokens, extra_key=extra_key)
         cache = self._cache
         if cache is not None:
@@ -193,65 +235,34 @@ class BlockManager:
         self._seqs[seq_id] = seq
         return seq.num_slots
 
-    def peek_prefix(self, token_ids: Iterable[int], *, extra_key: Hashable | None = None) -> int:
-        """The cached-token count :meth:`allocate` would return now; changes nothing."""
-        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-        if not tokens:
-            raise ValueError("token_ids is empty; give at least one token")
-        cache = self._cache
-        if cache is None:
-            return 0
-        try:
-            hash(extra_key)
-        except TypeError:
-            raise ValueError(f"extra_key must be hashable, got {extra_key!r}") from None
-        max_blocks = (len(tokens) - 1) >> self._shift
-        return len(cache.match(tokens, extra_key, max_blocks, [])) << self._shift
+    def fork(self, parent_id: int, child_id: int, token_ids: list[int]) -> None:
+        """Make ``child_id`` share every block and the slot count of the parent.
 
-    def blocks_needed_for(
-        self, token_ids: Iterable[int], *, extra_key: Hashable | None = None
-    ) -> int:
-        """Free GPU blocks that ``allocate(token_ids)`` then ``grow(len(token_ids))`` would take.
+        ``token_ids`` is the child's own live token list (the caller's copy of the parent's
+        list, e.g. ``parent_tokens.copy()``), which the manager keeps by reference as in
+        :meth:`allocate`; it must equal the parent's tokens at the fork, since the two share the
+        KV of all of them. Append each sequence's own next token after the fork.
 
-        The blocks the prompt does not find in the prefix cache, plus the cached blocks it
-        would reuse that are free now (evictable: taking them lowers ``num_free`` too).
-        Changes nothing. For admission decisions.
-        """
-        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-        if not tokens:
-            raise ValueError("token_ids is empty; give at least one token")
-        total = (len(tokens) + self._mask) >> self._shift
-        cache = self._cache
-        if cache is None:
-            return total
-        try:
-            hash(extra_key)
-        except TypeError:
-            raise ValueError(f"extra_key must be hashable, got {extra_key!r}") from None
-        hits = cache.match(tokens, extra_key, (len(tokens) - 1) >> self._shift, [])
-        ref = self._gpu_ref
-        return total - len(hits) + sum(1 for e in hits if ref[e.block_id] == 0)
-
-    def append_token_ids(self, seq_id: int, token_ids: Iterable[int]) -> None:
-        """Record newly sampled token ids (allocates no block; :meth:`grow` does)."""
-        try:
-            self._seqs[seq_id].token_ids += token_ids  # type: ignore[operator]
-        except KeyError:
-            if seq_id in self._seqs:  # the KeyError came from iterating token_ids
-                raise
-            self._get(seq_id)  # raises UnknownSequenceError
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """Make ``child_id`` share every block, the token ids and the slot count of the parent.
-
-        O(blocks): one ref-count increment per block. The first one of the two to append to a
-        shared partly filled block copies it (copy-on-write, see :meth:`grow`).
+        O(blocks): one ref-count increment per block. The first one of the two to write into a
+        shared partly filled block copies it (copy-on-write, see :meth:`allocate_slots`).
         """
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise SequenceExistsError(
                 f"cannot fork {parent_id!r} into {child_id!r}: sequence {child_id!r} already "
                 "exists; free() it first or use another id"
+            )
+        if not isinstance(token_ids, list) or token_ids is parent.token_ids:
+            raise ValueError(
+                f"fork({parent_id!r}, {child_id!r}): token_ids must be the child's own new list "
+                "(a copy of the parent's, e.g. parent_tokens.copy()), not the parent's list or "
+                f"a {type(token_ids).__name__}"
+            )
+        if token_ids != parent.token_ids:
+            raise ValueError(
+                f"fork({parent_id!r}, {child_id!r}): the child's token_ids must equal the "
+                f"parent's {len(parent.token_ids)} tokens at the fork (they share their KV); "
+                "append the child's own tokens after fork()"
             )
         ref = self._gpu_ref if parent.on_gpu else self.cpu_pool._ref
         for b in parent.blocks:
@@ -260,7 +271,7 @@ class BlockManager:
         self._seqs[child_id] = BlockTable(
             child_id,
             parent.blocks.copy(),
-            parent.token_ids.copy(),
+            token_ids,
             parent.num_slots,
             parent.on_gpu,
             parent.extra_key,
@@ -273,7 +284,7 @@ class BlockManager:
 
         A block becomes free when its count reaches 0; cached blocks stay in the prefix cache,
         evictable. Blocks are released tail first, so the sequence's last blocks are evicted
-        before its first ones.
+        before its first ones. The caller's token list is left as it is.
         """
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
@@ -281,12 +292,95 @@ class BlockManager:
         pool = self.gpu_pool if seq.on_gpu else self.cpu_pool  # type: ignore[union-attr]
         pool._decref_many(reversed(seq.blocks))  # type: ignore[union-attr]
 
-    # ============================================================== growing
-    def blocks_needed(self, seq_id: int, num_new_slots: int) -> int:
-        """GPU blocks :meth:`grow` would take for ``num_new_slots`` more slots (incl. copy-on-write)."""
+    # ========================================================= asking first
+    @property
+    def num_free_blocks(self) -> int:
+        """Free GPU blocks now, evictable prefix-cache blocks included.
+
+        What the blocks_needed* answers are compared with; a scheduler reads this instead of
+        looking into the pool.
+        """
+        return self.gpu_pool._num_free
+
+    def peek_prefix(self, token_ids: Iterable[int], *, extra_key: Hashable | None = None) -> int:
+        """The cached-token count :meth:`allocate` would return now; changes nothing.
+
+        Lets a scheduler plan a new prompt's first chunk (the tokens past its cached prefix)
+        before deciding to admit it.
+        """
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if not tokens:
+            raise ValueError("token_ids is empty; give at least one token")
+        cache = self._cache
+        if cache is None:
+            return 0
+        self._check_extra_key(extra_key)
+        max_blocks = (len(tokens) - 1) >> self._shift
+        return len(cache.match(tokens, extra_key, max_blocks, [])) << self._shift
+
+    def blocks_needed_to_admit(
+        self,
+        token_lists: Sequence[Sequence[int]],
+        num_new_tokens: Iterable[int] | None = None,
+        *,
+        extra_key: Hashable | None = None,
+    ) -> int:
+        """Free GPU blocks that admitting new sequences would take; changes nothing.
+
+        That is: :meth:`allocate` of each token list (the sequences of one request, which
+        share ``extra_key``), then :meth:`allocate_slots` of ``num_new_tokens[i]`` slots past
+        each one's cached prefix (default: all its remaining tokens). Counts the new blocks
+        plus the cached blocks the prompts would reuse that are free now (evictable: taking them
+        lowers :attr:`num_free_blocks` too), each such block once even when several sequences
+        hit it. For admission decisions (with a watermark, or "never fits" when nothing runs).
+        """
+        lists = [t if isinstance(t, list) else list(t) for t in token_lists]
+        if num_new_tokens is not None:
+            ns: list[int] | None = self._counts(
+                num_new_tokens, len(lists), "blocks_needed_to_admit()"
+            )
+        else:
+            ns = None
+        cache = self._cache
+        if cache is not None:
+            self._check_extra_key(extra_key)
+        shift, mask, ref = self._shift, self._mask, self._gpu_ref
+        evictable: set[int] = set()
+        need = 0
+        for i, tokens in enumerate(lists):
+            if not tokens:
+                raise ValueError("token_ids is empty; give at least one token")
+            cached = 0
+            if cache is not None:
+                hits = cache.match(tokens, extra_key, (len(tokens) - 1) >> shift, [])
+                cached = len(hits) << shift
+                evictable.update(e.block_id for e in hits if ref[e.block_id] == 0)
+            n = len(tokens) - cached if ns is None else ns[i]
+            if cached + n > len(tokens):
+                raise ValueError(
+                    f"blocks_needed_to_admit(): {n} new tokens past {cached} cached ones exceed "
+                    f"the {len(tokens)} known tokens of sequence {i}"
+                )
+            need += ((cached + n + mask) >> shift) - (cached >> shift)
+        return need + len(evictable)
+
+    def blocks_needed_for(
+        self, token_ids: Iterable[int], *, extra_key: Hashable | None = None
+    ) -> int:
+        """Free GPU blocks that ``allocate(token_ids)`` then reserving slots for all of its
+        tokens would take (cache hits on evictable blocks included); changes nothing.
+
+        The one-prompt, whole-prompt case of :meth:`blocks_needed_to_admit`.
+        """
+        return self.blocks_needed_to_admit([token_ids], extra_key=extra_key)
+
+    def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        """GPU blocks that :meth:`allocate_slots` would take for ``num_new_tokens`` more slots
+        of a sequence on the GPU (new blocks, plus one when its shared partly filled last block
+        must be copied on write)."""
         seq = self._get_gpu(seq_id, "blocks_needed()")
-        self._check_count(num_new_slots, "num_new_slots")
-        return self._blocks_needed(seq, num_new_slots)
+        self._check_count(num_new_tokens, "num_new_tokens")
+        return self._blocks_needed(seq, num_new_tokens)
 
     def _blocks_needed(self, seq: BlockTable, n: int) -> int:
         if n == 0:
@@ -297,65 +391,110 @@ class BlockManager:
             need += 1
         return need
 
-    def can_grow(self, seq_id: int, num_new_slots: int) -> bool:
-        """Whether :meth:`grow` would find enough free GPU blocks and stay within
-        ``max_blocks_per_seq`` (it does not check that the token ids are known)."""
-        seq = self._get_gpu(seq_id, "can_grow()")
-        self._check_count(num_new_slots, "num_new_slots")
-        limit = self.max_blocks_per_seq
-        if (
-            limit is not None
-            and (seq.num_slots + num_new_slots + self._mask) >> self._shift > limit
-        ):
-            return False
-        return self._blocks_needed(seq, num_new_slots) <= self.gpu_pool._num_free
+    def group_blocks_needed(self, seq_ids: Iterable[int], num_new_tokens: Iterable[int]) -> int:
+        """Exact GPU blocks that growing several sequences of one group takes, each
+        ``seq_id[i]`` by ``num_new_tokens[i]`` slots, in any order; changes nothing.
 
-    def grow(
-        self, seq_id: int, num_new_slots: int, pending: int = 0
-    ) -> tuple[tuple[int, int], ...]:
-        """Reserve KV slots for positions ``[num_slots, num_slots + num_new_slots)``.
+        Differs from the sum of :meth:`blocks_needed` when siblings (forks: parallel samples,
+        beams) share a partly filled last block that nobody else references: every one of them
+        but the last to grow copies it on write, the last one writes in place. So the group's
+        sequences must be grown one after the other, all of them, right after asking.
+        """
+        ids = self._distinct(seq_ids, "group_blocks_needed()")
+        seqs = [self._get_gpu(i, "group_blocks_needed()") for i in ids]
+        ns = self._counts(num_new_tokens, len(seqs), "group_blocks_needed()")
+        mask = self._mask
+        need = 0
+        shared: dict[int, int] = {}  # partly filled last block -> sequences growing into it
+        for seq, n in zip(seqs, ns):
+            if n:
+                need += self._blocks_needed(seq, n)
+                if seq.num_slots & mask:
+                    b = seq.blocks[-1]
+                    shared[b] = shared.get(b, 0) + 1
+        ref = self._gpu_ref
+        for b, k in shared.items():
+            if k > 1 and ref[b] == k:
+                need -= 1
+        return need
 
-        A new block only when the last one is full; if the partly filled last block is shared it
-        is copied on write: the sequence gets a new block and ``((src, dst),)`` is returned for
-        the runner to copy; otherwise the shared empty tuple ``()``. All or nothing.
+    def blocks_needed_to_swap_in(
+        self, seq_ids: Iterable[int], num_new_tokens: Iterable[int]
+    ) -> int:
+        """An upper bound of the GPU blocks that swapping a group in and then growing each
+        ``seq_ids[i]`` by ``num_new_tokens[i]`` slots takes; changes nothing.
 
-        ``pending=1``: one slot past the known tokens may be reserved, for the token still
+        The group's distinct blocks (what :meth:`swap_in` moves, shared blocks once), plus per
+        sequence its new blocks and one more when its last block is partly filled (it may be
+        shared after the swap and need a copy-on-write). Lets a scheduler keep a watermark of
+        free blocks before it moves anything.
+        """
+        seqs = self._group(seq_ids, False, "blocks_needed_to_swap_in()")
+        ns = self._counts(num_new_tokens, len(seqs), "blocks_needed_to_swap_in()")
+        shift, mask = self._shift, self._mask
+        need = len(self._group_refs(seqs))
+        for seq, n in zip(seqs, ns):
+            c = seq.num_slots
+            need += ((c + n + mask) >> shift) - ((c + mask) >> shift) + (1 if c & mask else 0)
+        return need
+
+    # ======================================================== reserving slots
+    def allocate_slots(
+        self, seq_id: int, num_new_tokens: int, pending: int = 0
+    ) -> tuple[tuple[int, int], ...] | None:
+        """Reserve KV slots for the sequence's next ``num_new_tokens`` positions,
+        ``[num_slots, num_slots + num_new_tokens)``; return the copy-on-write pairs, or None.
+
+        A new block only when the last one is full. If the partly filled last block is shared
+        it is copied on write: the sequence gets a new block and ``((src, dst),)`` is returned
+        for the runner to copy; otherwise the shared empty tuple ``()``. **None when the GPU
+        pool has too few free blocks; then nothing changed**: the caller frees memory (preempts
+        a sequence) and asks again. All or nothing.
+
+        The positions must hold known tokens (the caller appended them to its list first).
+        ``pending=1``: one position past the known tokens may be reserved, for the token still
         being sampled (asynchronous scheduling). Only without prefix caching, which hashes a
-        block's tokens when it fills.
+        block's tokens when it fills. Raises (changing nothing) for an unknown or swapped-out
+        sequence, a bad count, slots past the known tokens, or more than
+        ``max_blocks_per_seq`` blocks.
         """
         # Fast path: the new slots fit in the partly filled last block, which this sequence
         # owns alone (``fast_left`` caches that fact, see BlockTable). No allocation.
         try:
             seq = self._seqs[seq_id]
         except KeyError:
-            return self._grow(seq_id, num_new_slots)  # raises UnknownSequenceError
-        if type(num_new_slots) is int and 0 < num_new_slots <= seq.fast_left:
-            new = seq.num_slots + num_new_slots
-            if new <= len(seq.token_ids) + (pending if self._cache is None else 0):
+            return self._allocate_slots(seq_id, num_new_tokens, pending)  # raises
+        if type(num_new_tokens) is int and 0 < num_new_tokens <= seq.fast_left:
+            new = seq.num_slots + num_new_tokens
+            known = len(seq.token_ids)
+            if new <= known or (pending == 1 and new == known + 1 and self._cache is None):
                 seq.num_slots = new
-                left = seq.fast_left - num_new_slots
+                left = seq.fast_left - num_new_tokens
                 seq.fast_left = left
                 if not left and self._cache is not None:  # the block just became full
                     self._cache.publish(seq, new >> self._shift)
                 return _NO_COPY
-        return self._grow(seq_id, num_new_slots, pending)
+        return self._allocate_slots(seq_id, num_new_tokens, pending)
 
-    def _grow(self, seq_id: int, n: int, pending: int = 0) -> tuple[tuple[int, int], ...]:
-        seq = self._get_gpu(seq_id, "grow()")
-        self._check_count(n, "num_new_slots")
-        if pending not in (0, 1):
+    def _allocate_slots(
+        self, seq_id: int, n: int, pending: int
+    ) -> tuple[tuple[int, int], ...] | None:
+        seq = self._get_gpu(seq_id, "allocate_slots()")
+        self._check_count(n, "num_new_tokens")
+        if pending not in (0, 1) or type(pending) is not int:
             raise ValueError(f"pending must be 0 or 1, got {pending!r}")
         if pending and self._cache is not None:
             raise ValueError(
-                "grow(pending=...) reserves slots for unknown tokens, which prefix caching "
-                "cannot hash; append_token_ids() first"
+                "allocate_slots(pending=1) reserves a slot for a token not known yet, which "
+                "prefix caching cannot hash; append the token to the list first"
             )
         old = seq.num_slots
         new = old + n
         if new > len(seq.token_ids) + pending:
             raise ValueError(
                 f"sequence {seq_id!r}: cannot reserve slots up to position {new} with only "
-                f"{len(seq.token_ids)} known tokens (num_slots={old}); append_token_ids() first"
+                f"{len(seq.token_ids)} known tokens (num_slots={old}); append the tokens to "
+                "the sequence's token list first"
             )
         if n == 0:
             return _NO_COPY
@@ -369,12 +508,8 @@ class BlockManager:
             )
         pool = self.gpu_pool
         cow = bool(old & self._mask) and self._gpu_ref[blocks[-1]] > 1
-        need = total - len(blocks) + cow
-        if need > pool._num_free:
-            raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {need} GPU blocks to grow by {n} slots but only "
-                f"{pool._num_free} are free; preempt (swap out or free) a sequence and retry"
-            )
+        if total - len(blocks) + cow > pool._num_free:
+            return None
         copies = _NO_COPY
         if cow:
             src = blocks[-1]
@@ -395,6 +530,7 @@ class BlockManager:
 
     # ============================================================== queries
     def has_seq(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` is registered (allocated and not freed)."""
         return seq_id in self._seqs
 
     def seq_ids(self) -> list[int]:
@@ -403,6 +539,7 @@ class BlockManager:
 
     @property
     def num_seqs(self) -> int:
+        """Registered sequences."""
         return len(self._seqs)
 
     def block_table(self, seq_id: int) -> list[int]:
@@ -410,17 +547,20 @@ class BlockManager:
         return self._get(seq_id).blocks.copy()
 
     def block_table_ref(self, seq_id: int) -> list[int]:
-        """The internal block-table list, for the hot path. Read only; it changes on grow/swap."""
+        """The internal block-table list, for the hot path. Read only; it changes on
+        allocate_slots (copy-on-write replaces its last entry) and on swaps."""
         return self._get(seq_id).blocks
 
     def num_slots(self, seq_id: int) -> int:
+        """Positions of the sequence with a reserved KV slot (``[0, num_slots)``)."""
         return self._get(seq_id).num_slots
 
     def num_tokens(self, seq_id: int) -> int:
+        """Length of the sequence's token list (its known tokens)."""
         return len(self._get(seq_id).token_ids)
 
     def token_ids(self, seq_id: int) -> list[int]:
-        """A copy of the sequence's token ids."""
+        """A copy of the sequence's token ids (read from the caller's list)."""
         return self._get(seq_id).token_ids.copy()
 
     def location(self, seq_id: int) -> str:
@@ -440,17 +580,22 @@ class BlockManager:
         return n << self._shift
 
     def slot(self, seq_id: int, position: int) -> int:
-        """Slot of a reserved position: ``block_id * block_size + offset``."""
+        """Slot of a reserved position, by the slot rule :func:`kvblocks.slot_of`
+        (``block_table[position // block_size] * block_size + position % block_size``)."""
         seq = self._get(seq_id)
         if not _is_int(position) or not 0 <= position < seq.num_slots:
             raise ValueError(
                 f"sequence {seq_id!r}: position {position!r} has no reserved slot "
-                f"(reserved 0..{seq.num_slots - 1}); grow() first"
+                f"(reserved 0..{seq.num_slots - 1}); allocate_slots() first"
             )
-        return (seq.blocks[position >> self._shift] << self._shift) | (position & self._mask)
+        return slot_of(seq.blocks, position, self.block_size)
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slots of positions ``[start, end)`` (all reserved), block by block."""
+        """Slots of positions ``[start, end)`` (all reserved): the slot mapping of a chunk.
+
+        The slot rule (:func:`kvblocks.slot_of`) gives the first position's slot in each block;
+        the following positions of that block have the following slots.
+        """
         seq = self._get(seq_id)
         if not (_is_int(start) and _is_int(end) and 0 <= start <= end <= seq.num_slots):
             raise ValueError(
@@ -458,15 +603,13 @@ class BlockManager:
                 f"slots [0, {seq.num_slots})"
             )
         out: list[int] = []
-        shift = self._shift
+        bs = self.block_size
         blocks = seq.blocks
         pos = start
         while pos < end:
-            k = pos >> shift
-            base = blocks[k] << shift
-            stop = min(end, (k + 1) << shift)
-            off = pos & self._mask
-            out.extend(range(base + off, base + off + (stop - pos)))
+            stop = min(end, (pos // bs + 1) * bs)  # end of this position's block
+            first = slot_of(blocks, pos, bs)
+            out.extend(range(first, first + (stop - pos)))
             pos = stop
         return out
 
@@ -652,15 +795,21 @@ class BlockManager:
         """
         problems: list[str] = []
         expected = {True: [0] * self.gpu_pool.num_blocks, False: [0] * self.cpu_pool.num_blocks}
+        lists: dict[int, int] = {}  # id of a token list -> the sequence that owns it
         for seq in self._seqs.values():
             exp_blocks = (seq.num_slots + self._mask) >> self._shift
             if len(seq.blocks) != exp_blocks:
                 problems.append(
                     f"seq {seq.seq_id!r}: {len(seq.blocks)} blocks for {seq.num_slots} slots"
                 )
-            # without prefix caching, one slot may wait for a token being sampled (grow pending)
+            # without prefix caching, one slot may wait for a token being sampled (pending=1)
             if seq.num_slots > len(seq.token_ids) + (self._cache is None):
                 problems.append(f"seq {seq.seq_id!r}: more slots than tokens")
+            if id(seq.token_ids) in lists:
+                problems.append(
+                    f"seq {seq.seq_id!r}: shares its token list with seq {lists[id(seq.token_ids)]!r}"
+                )
+            lists[id(seq.token_ids)] = seq.seq_id
             if seq.fast_left and not (
                 seq.on_gpu
                 and seq.num_slots & self._mask

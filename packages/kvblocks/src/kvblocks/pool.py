@@ -32,6 +32,9 @@ __all__ = ["BlockPool"]
 class BlockPool:
     """Physical KV blocks ``0..num_blocks-1`` of one device kind ("gpu" or "cpu").
 
+    The pool counts blocks and references only; how many token slots a block holds is the
+    block manager's ``block_size`` (a pool never needs it).
+
     Invariants: a block is in the free queue exactly when its ref count is 0;
     ``num_free + num_used == num_blocks``.
     """
@@ -43,19 +46,15 @@ class BlockPool:
         "_prev",
         "_ref",
         "_sentinel",
-        "block_size",
         "device",
         "num_blocks",
         "on_evict",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, *, device: str = "gpu") -> None:
+    def __init__(self, num_blocks: int, *, device: str = "gpu") -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.num_blocks: int = num_blocks
-        self.block_size: int = block_size
         self.device: str = device
         #: Called with a block id when a cached free block is taken for reuse (evicted).
         self.on_evict: Callable[[int], None] | None = None
@@ -71,7 +70,7 @@ class BlockPool:
     def __repr__(self) -> str:
         return (
             f"BlockPool(device={self.device!r}, num_blocks={self.num_blocks}, "
-            f"block_size={self.block_size}, num_free={self._num_free})"
+            f"num_free={self._num_free})"
         )
 
     # ----------------------------------------------------------------- counts

@@ -24,15 +24,12 @@ unlinks it from the free queue in O(1) (:meth:`BlockPool.touch`).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from kvblocks.cache_entry import CacheEntry
 from kvblocks.pool import BlockPool
+from kvblocks.table import BlockTable
 
-if TYPE_CHECKING:
-    from kvblocks.table import BlockTable
-
-__all__ = ["CacheEntry", "HashFn", "PrefixCache", "default_hash_fn"]
+__all__ = ["HashFn", "PrefixCache", "default_hash_fn"]
 
 #: ``hash_fn(parent_hash, block_token_ids, extra_key) -> hashable``; ``parent_hash`` is None for
 #: the first block of a sequence and ``block_token_ids`` a tuple of ``block_size`` ints.
@@ -50,19 +47,6 @@ def default_hash_fn(
     return hash((parent_hash, token_ids, extra_key))
 
 
-@dataclass(slots=True, eq=False)
-class CacheEntry:
-    """One cached full block and the identity of its content."""
-
-    serial: int  # unique for the life of the cache, never reused
-    block_hash: Hashable
-    parent_hash: Hashable | None
-    parent_serial: int  # serial of the parent entry, -1 for a sequence's first block
-    token_ids: tuple[int, ...]
-    extra_key: Hashable | None
-    block_id: int
-
-
 class PrefixCache:
     """Map from block-hash chain to GPU blocks of one pool (see the module docstring)."""
 
@@ -77,9 +61,9 @@ class PrefixCache:
         "num_refused",
     )
 
-    def __init__(self, pool: BlockPool, hash_fn: HashFn | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, hash_fn: HashFn | None = None) -> None:
         self._pool = pool
-        self._bs = pool.block_size
+        self._bs = block_size  # validated by the BlockManager that owns this cache
         self._hash_fn: HashFn = hash_fn if hash_fn is not None else default_hash_fn
         self._by_hash: dict[Hashable, CacheEntry] = {}
         self._by_block: list[CacheEntry | None] = [None] * pool.num_blocks

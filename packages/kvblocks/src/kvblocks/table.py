@@ -7,8 +7,11 @@ path, the internal list read-only by convention (``BlockManager.block_table_ref`
 
 The record keeps, besides the block table proper:
 
-* ``token_ids``: every known token of the sequence (prompt and generated);
-* ``num_slots``: how many positions have a KV slot reserved (``grow``); always
+* ``token_ids``: the caller's own live list of the sequence's known tokens (prompt and
+  generated), held by reference: the caller appends to it, the manager only reads it (its length
+  bounds the slots that may be reserved; a block's tokens are hashed for the prefix cache when
+  the block fills). Tokens are stored once, by their owner;
+* ``num_slots``: how many positions have a KV slot reserved (``allocate_slots``); always
   ``len(blocks) == ceil(num_slots / block_size)``, so the waste is at most one partly filled
   block;
 * ``fast_left``, which lets the decode hot path skip every check but one;
@@ -21,10 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvblocks.prefix_cache import CacheEntry
+from kvblocks.cache_entry import CacheEntry
 
 __all__ = ["BlockTable"]
 
@@ -36,7 +37,8 @@ class BlockTable:
     seq_id: int
     #: Physical block ids, logical block index -> physical id, in the pool of ``on_gpu``.
     blocks: list[int]
-    #: All known token ids of the sequence.
+    #: The caller's live list of the sequence's known token ids (a reference, never copied or
+    #: changed here).
     token_ids: list[int]
     #: Positions ``[0, num_slots)`` have a reserved KV slot.
     num_slots: int = 0
@@ -48,7 +50,7 @@ class BlockTable:
     block_hashes: list[Hashable] = field(default_factory=list)
     #: Prefix caching: cache entry holding the content of full block k, for k < len(chain).
     chain: list[CacheEntry | None] = field(default_factory=list)
-    #: Hot-path shortcut: slots that ``grow`` may add without touching any block, because the
+    #: Hot-path shortcut: slots that ``allocate_slots`` may add without touching any block, as the
     #: partly filled last block belongs to this sequence alone. A conservative cache: 0 is
     #: always safe (the slow path then recomputes it); fork and swap reset it to 0.
     fast_left: int = 0

@@ -4,23 +4,23 @@ Why: the scheduler runs the block bookkeeping of every running sequence on every
 on the CPU, between GPU forward passes; if it is slow, the GPU waits. This measures
 
 * one whole decode step: for each of N running sequences (default 256, about 2,048 tokens each,
-  block size 16) ``append_token_ids`` one token and ``grow(seq, 1)``; the lengths are staggered
+  block size 16) append one token to the sequence's own token list (which the manager reads by
+  reference) and ``allocate_slots(seq, 1)``; the lengths are staggered
   so that 1/block_size of the sequences need a new block each step; and every ``--fork-every``
   steps one sequence is freed and another forked in its place (beam-search-like; the child
   copies its partly filled last block on its next write);
 * a prefix-cache lookup (``peek_prefix``) of a 2,048-token prompt whose blocks are all cached.
 
 Baseline, measured in the same run: the same decode loop against a minimal stand-in object whose
-two methods only extend a list and add an int (the floor of making 2 x N Python method calls).
+two methods only extend a list and add an int (the floor of making 2 x N Python method calls; the
+step of kvblocks 0.1.0 made two calls per sequence, today's makes one call and a list append, and
+the baseline is kept as it was so that figures compare across versions).
 
 Times are wall clock (``time.perf_counter_ns``); the process CPU time of a step is shown too,
 because on a busy machine the wall clock also counts time the process spent descheduled.
 
 Prints the setup and a table, and ends with one JSON line (medians in microseconds):
 ``{"decode_step_us": ..., "prefix_lookup_us": ..., ...}``.
-
-The block-manager calls sit in one marked section (``_admit``, ``_decode_step``, ``_fork``,
-``_num_free``), so a change of kvblocks' API is adapted there.
 """
 
 from __future__ import annotations
@@ -56,39 +56,6 @@ class _Floor:
         return ()
 
 
-# --- the block-manager API this benchmark uses: adapt here when it changes -------------------
-
-
-def _admit(m: BlockManager, seq_id: int, token_ids: list[int]) -> None:
-    """A sequence past its prefill: blocks allocated for its tokens, their slots reserved."""
-    m.allocate(seq_id, token_ids)
-    m.grow(seq_id, len(token_ids))
-
-
-def _decode_step(m: BlockManager, seq_ids: list[int], token: list[int]) -> int:
-    """One decode step's bookkeeping: each sequence records its sampled token and reserves the
-    slot for it. Returns how many sequences needed a copy-on-write."""
-    append, grow = m.append_token_ids, m.grow
-    ncopy = 0
-    for s in seq_ids:
-        append(s, token)
-        if grow(s, 1):
-            ncopy += 1
-    return ncopy
-
-
-def _fork(m: BlockManager, parent_id: int, child_id: int) -> None:
-    """A child sharing all of the parent's blocks (beam search, parallel sampling)."""
-    m.fork(parent_id, child_id)
-
-
-def _num_free(m: BlockManager) -> int:
-    return m.gpu_pool.num_free
-
-
-# --------------------------------------------------------------------------------------------
-
-
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -99,27 +66,37 @@ def _decode_bench(
 ) -> dict[str, Any]:
     blocks_per_seq = (seq_len + steps + warmup) // block_size + 2
     m = BlockManager(block_size=block_size, num_gpu_blocks=(num_seqs + 2) * blocks_per_seq)
-    running = list(range(num_seqs))
-    for s in running:
+    # (sequence id, its token list): the caller owns the lists, the manager reads them.
+    running: list[tuple[int, list[int]]] = []
+    for s in range(num_seqs):
         n = max(1, seq_len - s % block_size)
-        _admit(m, s, [s % 1000] * n)
+        tokens = [s % 1000] * n
+        m.allocate(s, tokens)
+        m.allocate_slots(s, n)
+        running.append((s, tokens))
     next_id = num_seqs
-    one = [7]
     times: list[float] = []
     cpu_times: list[float] = []
     copies = new_blocks = forks = 0
+    allocate_slots = m.allocate_slots
     perf = time.perf_counter_ns
     cpu = time.process_time_ns
     for step in range(warmup + steps):
-        free_before = _num_free(m)
+        free_before = m.num_free_blocks
         c0 = cpu()
         t0 = perf()
-        ncopy = _decode_step(m, running, one)
+        ncopy = 0
+        for s, tokens in running:
+            tokens.append(7)
+            if allocate_slots(s, 1):
+                ncopy += 1
         if fork_every and step % fork_every == 0:
             j = step % num_seqs
-            m.free(running[j])
-            _fork(m, running[(j + 1) % num_seqs], next_id)
-            running[j] = next_id
+            m.free(running[j][0])
+            parent, parent_tokens = running[(j + 1) % num_seqs]
+            child_tokens = parent_tokens.copy()
+            m.fork(parent, next_id, child_tokens)
+            running[j] = (next_id, child_tokens)
             next_id += 1
         t1 = perf()
         c1 = cpu()
@@ -127,11 +104,12 @@ def _decode_bench(
             times.append((t1 - t0) / 1000)
             cpu_times.append((c1 - c0) / 1000)
             copies += ncopy
-            new_blocks += max(0, free_before - _num_free(m))
+            new_blocks += max(0, free_before - m.num_free_blocks)
             forks += bool(fork_every and step % fork_every == 0)
     floor = _Floor(num_seqs)
     ftimes: list[float] = []
     fids = list(range(num_seqs))
+    one = [7]
     for step in range(warmup + steps):
         t0 = perf()
         for s in fids:
@@ -156,7 +134,8 @@ def _prefix_bench(prompt_tokens: int, block_size: int, repeats: int) -> dict[str
     nblocks = prompt_tokens // block_size + 4
     m = BlockManager(block_size=block_size, num_gpu_blocks=2 * nblocks, enable_prefix_caching=True)
     prompt = [(i * 7919) % 50000 for i in range(prompt_tokens)]
-    _admit(m, 0, prompt)
+    m.allocate(0, prompt)
+    m.allocate_slots(0, prompt_tokens)
     expected = (prompt_tokens - 1) // block_size * block_size
     perf = time.perf_counter_ns
     peek: list[float] = []
@@ -169,7 +148,7 @@ def _prefix_bench(prompt_tokens: int, block_size: int, repeats: int) -> dict[str
         if hit != expected:
             raise RuntimeError(f"prefix lookup found {hit} cached tokens, expected {expected}")
         t0 = perf()
-        m.allocate(1 + i, prompt)
+        m.allocate(1 + i, prompt.copy())  # each sequence owns its list
         m.free(1 + i)
         t1 = perf()
         alloc.append((t1 - t0) / 1000)
@@ -259,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{a.fork_every or 'never'} step(s); prefix lookup of {a.prefix_tokens} tokens"
     )
     rows = [
-        ("decode step (append + grow(1) x N, forks)", "median", r["decode_step_us"]),
+        ("decode step (append + allocate_slots(1) x N, forks)", "median", r["decode_step_us"]),
         ("decode step", "p90", r["decode_step_p90_us"]),
         ("decode step, process CPU time", "median", r["decode_step_cpu_us"]),
         ("decode step, per sequence", "median", r["decode_per_seq_us"]),

@@ -14,9 +14,13 @@ Quick use::
         out = sched.schedule()                       # the batch
         samples = run_model(out)                     # {seq_id: [token]} for do_sample sequences
         sched.update(out, samples)                   # append, stop, fork, free
+
+``AsyncScheduler(config)`` adds ``can_schedule_ahead()`` / ``schedule_ahead()``: build step N+1
+while step N still runs (asynchronous scheduling).
 """
 
 from pagedkv.scheduler.__about__ import __version__
+from pagedkv.scheduler.async_scheduler import AsyncScheduler
 from pagedkv.scheduler.config import PreemptionMode, SchedulerConfig
 from pagedkv.scheduler.output import (
     ScheduledSequence,
@@ -34,6 +38,7 @@ from pagedkv.scheduler.request import (
 from pagedkv.scheduler.scheduler import Scheduler
 
 __all__ = [
+    "AsyncScheduler",
     "FinishReason",
     "PreemptionMode",
     "RequestParams",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvblocks import check_block_size
+
 __all__ = ["PreemptionMode", "SchedulerConfig"]
 
 
@@ -29,7 +31,9 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 class SchedulerConfig:
     """Everything the scheduler needs to know about memory and batch limits.
 
-    ``num_gpu_blocks`` x ``block_size`` is the KV cache in token slots; ``num_cpu_blocks`` is the
+    ``num_gpu_blocks`` x ``block_size`` is the KV cache in token slots (``block_size`` is checked
+    here, where it enters, by :func:`kvblocks.check_block_size`; at run time everyone reads it from
+    ``Scheduler.block_manager.block_size``); ``num_cpu_blocks`` is the
     swap space (0 = no swapping, preemption always recomputes). ``max_num_seqs`` bounds the
     sequences that may be running at once (so also the sequences in one batch),
     ``max_num_batched_tokens`` the tokens of one forward pass (the token budget).
@@ -51,11 +55,7 @@ class SchedulerConfig:
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1)
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(
-                f"block_size must be a power of two (1, 2, 4, 8, 16, 32, ...), got {self.block_size}"
-            )
+        check_block_size(self.block_size)  # kvblocks' one check; the block manager owns it
         _check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
         _check_int("num_cpu_blocks", self.num_cpu_blocks, 0)
         _check_int("max_num_seqs", self.max_num_seqs, 1)

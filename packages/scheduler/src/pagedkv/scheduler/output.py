@@ -21,9 +21,10 @@ class ScheduledSequence:
     ``block_table`` is the block manager's live list (physical GPU block ids of logical blocks
     0, 1, ...), already grown to cover the new positions: read it, never mutate it, and use it
     before the next :meth:`Scheduler.update` / :meth:`Scheduler.schedule` (they may change it).
-    The slot of position p is ``block_table[p // block_size] * block_size + p % block_size``.
+    The slot of position p follows kvblocks' slot rule, :func:`kvblocks.slot_of`.
     ``all_token_ids`` is the sequence's live token list; ``token_ids`` slices the positions
-    being computed. ``do_sample`` is True when this chunk reaches the end of the known tokens:
+    being computed (with an ``AsyncScheduler`` the last one may not be in the list yet: the
+    token still being sampled, at position ``len(all_token_ids)``). ``do_sample`` is True when this chunk reaches the end of the known tokens:
     the runner samples the next token from the logits of position ``start + num_tokens - 1``.
     ``is_prefill`` is False exactly for a plain decode (one new token after the prompt).
     """

@@ -83,9 +83,14 @@ class RequestParams:
 class Sequence:
     """One stream of tokens: the prompt followed by the tokens generated so far.
 
-    ``token_ids`` is the live list (prompt + output); treat it as read-only outside the
+    ``token_ids`` is the live list (prompt + output) and the only copy of the sequence's tokens:
+    the block manager holds a reference to this very list (``BlockManager.allocate``) and reads
+    it, the scheduler appends each sampled token to it. Treat it as read-only outside the
     scheduler. ``num_computed_tokens`` counts the positions whose KV is computed or being
     computed in the current step (the scheduler advances it when it schedules a chunk).
+    ``num_pending_tokens`` counts tokens being sampled but not yet appended (0, or 1 while an
+    :class:`~pagedkv.scheduler.AsyncScheduler` has scheduled the step after the one in flight):
+    the scheduler treats ``len(token_ids) + num_pending_tokens`` tokens as known.
     ``index`` orders the sequences of a group by creation (0 is the first); forks get the next
     free index.
     """
@@ -96,6 +101,7 @@ class Sequence:
     prompt_len: int
     index: int = 0
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     #: The stop token that ended the sequence (or a stop string, set by the engine).

@@ -10,15 +10,22 @@ Order inside a step: running groups first (FCFS, so decodes are never starved by
 then swapped groups coming back, then waiting requests in arrival order. FCFS is strict: a
 waiting request that does not fit stops admission, later ones are not tried.
 
-When a running group needs a block and none is free, the most recently arrived running group is
-preempted, all of its sequences at once: recompute (free its blocks; it goes back to the head of
+When a running group needs a block and none is free (the block manager's
+``allocate_slots`` answers None, or its ``group_blocks_needed`` exceeds ``num_free_blocks``),
+the most recently arrived running group is preempted, all of its sequences at once, and the
+allocation is tried again (as in vLLM V1): recompute (free its blocks; it goes back to the head of
 the waiting queue and is prefilled again, generated tokens included) or swap (its blocks move to
-the CPU pool; swapped groups resume before any new request).
+the CPU pool; swapped groups resume before any new request). All block arithmetic is the block
+manager's: the scheduler asks it, and never counts blocks or reads its pools.
 
 The sequences of a group step in lockstep: a group is scheduled only as a whole, and when its
 pending tokens do not all fit in the budget, each sequence holds back its last token, so all of
 them reach their end (and sample) in the same step. That is what parallel sampling and beam
 search need.
+
+A sequence's known tokens are ``len(token_ids) + num_pending_tokens``: the placeholder count is 0
+here and 1 while :class:`~pagedkv.scheduler.AsyncScheduler` schedules the step after the one in
+flight, whose tokens are not sampled yet (see ``async_scheduler.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceABC
 from operator import attrgetter
 
-from kvblocks import BlockManager, NoFreeBlocksError
+from kvblocks import BlockManager
 from pagedkv.scheduler.config import PreemptionMode, SchedulerConfig
 from pagedkv.scheduler.output import (
     ScheduledSequence,
@@ -83,6 +90,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
+        """A scheduler with an empty :class:`kvblocks.BlockManager` sized by ``config``."""
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -93,11 +101,9 @@ class Scheduler:
             num_cpu_blocks=config.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self._bs = config.block_size
         self._budget = config.max_num_batched_tokens
         self._max_seqs = config.max_num_seqs
         self._chunked = config.enable_chunked_prefill
-        self._caching = config.enable_prefix_caching
         self._mode: PreemptionMode | None = config.preemption_mode  # type: ignore[assignment]
         self._wm = config.watermark_blocks
         # A sequence stops at max_model_len or when it would not fit in the whole KV cache.
@@ -113,8 +119,6 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_arrival = 0
         self._last_output: SchedulerOutput | None = None
-        # With `schedule_ahead`, the output before the latest one, until it is applied.
-        self._prev_output: SchedulerOutput | None = None
 
         self._num_preemptions = 0
         self._num_recompute = 0
@@ -253,54 +257,13 @@ class Scheduler:
                 "the previous SchedulerOutput has sequences to sample and was not passed to "
                 "update(); call update(output, samples) before schedule()"
             )
-        return self._schedule(None)
+        return self._schedule()
 
-    def can_schedule_ahead(self) -> bool:
-        """Whether :meth:`schedule_ahead` may build the next batch now: prefix caching is
-        off (it hashes a block's tokens when the block fills, and the coming tokens are not
-        known), the latest output is not applied yet (and the one before it is), no request
-        is swapped out, every running request has one sequence (n = 1), and every running sequence
-        can grow by one token without a preemption (a free block each, above the watermark)."""
-        last = self._last_output
-        if last is None or last.applied or self._caching:
-            return False
-        prev = self._prev_output
-        if (prev is not None and not prev.applied) or self._swapped:
-            return False
-        running = self._running
-        for g in running:
-            if g.params.n != 1 or len(g.seqs) != 1:  # n > 1 forks at its first token
-                return False
-        return self.block_manager.gpu_pool.num_free >= len(running) + self._wm
-
-    def schedule_ahead(self) -> SchedulerOutput:
-        """The next batch, built while the latest one still runs (asynchronous scheduling).
-
-        Each sequence that samples in the latest output counts its token to come as known:
-        it is scheduled at that token's position, which ``all_token_ids`` does not hold yet
-        (``start == len(all_token_ids)``), and the runner reads the token where the sampler
-        leaves it, on the device. A sequence whose coming token ends it by length is left out.
-        Waiting requests are admitted as usual; nothing is preempted or swapped (see
-        :meth:`can_schedule_ahead`, which must hold). Pass the latest output to
-        :meth:`update` first, then this one. A sequence that its coming token stops (EOS, stop
-        token) finishes in that update; its row of this batch is computed and then ignored,
-        and its blocks go back to the pool, to be written again only by later passes.
-        """
-        if not self.can_schedule_ahead():
-            raise RuntimeError(
-                "schedule_ahead() needs an unapplied latest output, nothing swapped, single-"
-                "sequence requests and a free block per running sequence; use schedule()"
-            )
-        last = self._last_output
-        self._prev_output = last
-        return self._schedule({ss.seq_id for ss in last.scheduled if ss.do_sample})
-
-    def _schedule(self, pending: set[int] | None) -> SchedulerOutput:
-        """`schedule`, or with `pending` (the sequences whose next token is being sampled)
-        `schedule_ahead`."""
+    def _schedule(self) -> SchedulerOutput:
+        """Build the next batch from the current state (each sequence's known tokens count its
+        placeholders, ``num_pending_tokens``)."""
         bm = self.block_manager
-        gpu_pool = bm.gpu_pool
-        grow = bm.grow
+        allocate_slots = bm.allocate_slots
         table_ref = bm.block_table_ref
         chunked = self._chunked
         running = self._running
@@ -324,14 +287,11 @@ class Scheduler:
                 s = seqs[0]
                 start = s.num_computed_tokens
                 tokens = s.token_ids
-                known = len(tokens)
-                ahead = 0
-                if pending is not None and s.seq_id in pending:
-                    known += 1
-                    ahead = 1
-                    if known - s.prompt_len >= g._max_tokens or known >= self._max_len:
-                        i += 1  # its coming token ends it (LENGTH): nothing to compute
-                        continue
+                pending = s.num_pending_tokens
+                known = len(tokens) + pending
+                if pending and (known - s.prompt_len >= g._max_tokens or known >= self._max_len):
+                    i += 1  # its coming token ends it (LENGTH): nothing to compute
+                    continue
                 need = known - start
                 if need <= budget:
                     t = need
@@ -340,14 +300,13 @@ class Scheduler:
                 else:
                     blocked = True
                     break
-                try:
-                    cow = grow(s.seq_id, t, ahead) if ahead else grow(s.seq_id, t)
-                except NoFreeBlocksError:
-                    if pending is not None:  # can_schedule_ahead() rules this out
-                        raise RuntimeError("schedule_ahead() ran out of blocks") from None
-                    if not self._make_room(g, [t], swap_out, preempted):
-                        break  # g itself was preempted (it was the last running group)
-                    cow = grow(s.seq_id, t)
+                cow = allocate_slots(s.seq_id, t, pending)
+                while cow is None:  # no free block: preempt the latest arrival, ask again
+                    if not self._preempt_latest(g, swap_out, preempted):
+                        break
+                    cow = allocate_slots(s.seq_id, t, pending)
+                if cow is None:
+                    break  # g itself was preempted (it was the last running group)
                 if cow:
                     copies.extend(cow)
                 end = start + t
@@ -373,9 +332,7 @@ class Scheduler:
                 if not any(ts):
                     blocked = True
                     break
-                if self._group_blocks_needed(g, ts) > gpu_pool.num_free and not self._make_room(
-                    g, ts, swap_out, preempted
-                ):
+                if not self._make_room(g, ts, swap_out, preempted):
                     break
                 budget, num_samples = self._emit(
                     g, ts, scheduled, seq_objs, copies, budget, num_samples
@@ -397,16 +354,8 @@ class Scheduler:
                     break
                 ids = [s.seq_id for s in seqs]
                 if running:
-                    # Upper bound of the blocks this costs: the group's distinct CPU blocks plus,
-                    # per sequence, the new blocks and a possible copy-on-write.
-                    bs = self._bs
-                    distinct = set()
-                    est = 0
-                    for s, t in zip(seqs, ts):
-                        distinct.update(table_ref(s.seq_id))
-                        c = s.num_computed_tokens
-                        est += -(-(c + t) // bs) - -(-c // bs) + (1 if c % bs else 0)
-                    if gpu_pool.num_free - len(distinct) - est < self._wm:
+                    # Keep the watermark, with an upper bound of what the swap in costs.
+                    if bm.num_free_blocks - bm.blocks_needed_to_swap_in(ids, ts) < self._wm:
                         blocked = True
                         break
                 elif not bm.can_swap_in(ids):
@@ -416,7 +365,7 @@ class Scheduler:
                 swap_in.extend(mapping.items())
                 swapped.popleft()
                 self._to_running(g)
-                if self._group_blocks_needed(g, ts) <= gpu_pool.num_free:
+                if bm.group_blocks_needed(ids, ts) <= bm.num_free_blocks:
                     budget, num_samples = self._emit(
                         g, ts, scheduled, seq_objs, copies, budget, num_samples
                     )
@@ -482,28 +431,6 @@ class Scheduler:
                 left -= t
         return out
 
-    def _group_blocks_needed(self, g: SequenceGroup, ts: list[int]) -> int:
-        """Exact GPU blocks growing the group's sequences by ``ts`` takes (copy-on-write included)."""
-        bm = self.block_manager
-        need = 0
-        for s, t in zip(g.seqs, ts):
-            if t:
-                need += bm.blocks_needed(s.seq_id, t)
-        if len(g.seqs) > 1:
-            # Siblings sharing a partly filled last block that nobody else references: each but
-            # the last one to grow copies it on write; the last one writes in place.
-            shared: dict[int, int] = {}
-            bs = self._bs
-            for s, t in zip(g.seqs, ts):
-                if t and s.num_computed_tokens % bs:
-                    b = bm.block_table_ref(s.seq_id)[-1]
-                    shared[b] = shared.get(b, 0) + 1
-            ref_count = bm.gpu_pool.ref_count
-            for b, k in shared.items():
-                if k > 1 and ref_count(b) == k:
-                    need -= 1
-        return need
-
     def _make_room(
         self,
         g: SequenceGroup,
@@ -511,23 +438,41 @@ class Scheduler:
         swap_out: list[tuple[int, int]],
         preempted: list[tuple[str, PreemptionMode]],
     ) -> bool:
-        """Preempt the latest-arrived running groups until ``g`` can grow by ``ts``.
+        """Preempt the latest-arrived running groups until the block manager says that all of
+        ``g``'s sequences can grow by ``ts`` (``group_blocks_needed <= num_free_blocks``).
 
         Returns False when ``g`` itself had to go (it was the latest) or was ended because it
         does not fit in the KV cache even alone.
         """
-        running = self._running
-        free = self.block_manager.gpu_pool
-        while self._group_blocks_needed(g, ts) > free.num_free:
-            victim = running[-1]
-            if victim is g:
-                if len(running) == 1:
-                    self._end_for_lack_of_memory(g)
-                else:
-                    self._preempt(g, swap_out, preempted)
+        bm = self.block_manager
+        ids = [s.seq_id for s in g.seqs]
+        while bm.group_blocks_needed(ids, ts) > bm.num_free_blocks:
+            if not self._preempt_latest(g, swap_out, preempted):
                 return False
-            self._preempt(victim, swap_out, preempted)
         return True
+
+    def _preempt_latest(
+        self,
+        g: SequenceGroup,
+        swap_out: list[tuple[int, int]],
+        preempted: list[tuple[str, PreemptionMode]],
+    ) -> bool:
+        """``g`` needs blocks and none are free: preempt the latest-arrived running group.
+
+        Returns True when that was another group (ask the block manager again), False when it
+        was ``g`` itself: then ``g`` is preempted, or ended when it runs alone and so can never
+        fit.
+        """
+        running = self._running
+        victim = running[-1]
+        if victim is not g:
+            self._preempt(victim, swap_out, preempted)
+            return True
+        if len(running) == 1:
+            self._end_for_lack_of_memory(g)
+        else:
+            self._preempt(g, swap_out, preempted)
+        return False
 
     def _emit(
         self,
@@ -544,7 +489,11 @@ class Scheduler:
         for s, t in zip(g.seqs, ts):
             if not t:
                 continue
-            cow = bm.grow(s.seq_id, t)
+            cow = bm.allocate_slots(s.seq_id, t)
+            if cow is None:
+                raise RuntimeError(
+                    f"sequence {s.seq_id}: the block manager refused blocks it said were free"
+                )
             if cow:
                 copies.extend(cow)
             start = s.num_computed_tokens
@@ -571,47 +520,36 @@ class Scheduler:
     def _admit(self, g: SequenceGroup, budget: int) -> list[int] | None:
         """Register a waiting group's sequences with the block manager if its first chunk fits.
 
-        Keeps ``watermark`` blocks free unless nothing else runs (then the head of the queue
-        always starts, so the queue cannot stall). Returns the plan (tokens per sequence), with
-        each sequence's cached prefix counted as computed, or None when it does not fit now.
+        The sequences are registered first, so that each takes its cached prefix (prefix
+        caching) and the block manager can say exactly what the first chunk needs
+        (``group_blocks_needed``); when it does not fit they are freed again (with prefix caching
+        the cached blocks they took go back to the free queue, most recently used). Keeps
+        ``watermark`` blocks free unless nothing else runs (then the head of the queue always
+        starts, so the queue cannot stall). Returns the plan (tokens per sequence), with each
+        sequence's cached prefix counted as computed, or None when it does not fit now.
         """
         bm = self.block_manager
         seqs = g.seqs
-        if self._caching:
-            cached = [bm.allocate(s.seq_id, s.token_ids, extra_key=g.extra_key) for s in seqs]
-        else:
-            cached = [0] * len(seqs)
+        ids = [s.seq_id for s in seqs]
+        cached = [bm.allocate(s.seq_id, s.token_ids, extra_key=g.extra_key) for s in seqs]
         ts = self._plan([len(s.token_ids) - c for s, c in zip(seqs, cached)], budget)
-
-        def undo() -> None:
-            if self._caching:
-                for s in seqs:
-                    bm.free(s.seq_id)
-
-        if not any(ts):
-            undo()
-            return None
-        if self._caching:
-            need = sum(bm.blocks_needed(s.seq_id, t) for s, t in zip(seqs, ts))
-        else:
-            bs = self._bs
-            need = sum(-(-t // bs) for t in ts)
-        free = bm.gpu_pool.num_free
-        if self._running:
-            if free - need < self._wm:
-                undo()
-                return None
-        elif need > free:
+        if any(ts):
+            need = bm.group_blocks_needed(ids, ts)
+            free = bm.num_free_blocks
+            if self._running:
+                fits = free - need >= self._wm
+            else:
+                fits = need <= free
+            if fits:
+                for s, c in zip(seqs, cached):
+                    s.num_computed_tokens = c
+                return ts
+        for i in ids:
+            bm.free(i)
+        if any(ts) and not self._running:
             # Nothing else holds memory and the first chunk alone does not fit: never will.
-            undo()
             self._end_for_lack_of_memory(g)
-            return None
-        if not self._caching:
-            for s in seqs:
-                bm.allocate(s.seq_id, s.token_ids, extra_key=g.extra_key)
-        for s, c in zip(seqs, cached):
-            s.num_computed_tokens = c
-        return ts
+        return None
 
     def _to_running(self, g: SequenceGroup) -> None:
         g.state = _RUNNING
@@ -641,7 +579,7 @@ class Scheduler:
         bm = self.block_manager
         mode = self._mode
         if mode is None:
-            mode = _SWAP if len(g.seqs) > 1 and bm.cpu_pool.num_blocks else _RECOMPUTE
+            mode = _SWAP if len(g.seqs) > 1 and self.config.num_cpu_blocks else _RECOMPUTE
         self._leave_running(g)
         ids = [s.seq_id for s in g.seqs]
         if mode is _SWAP:
@@ -694,18 +632,18 @@ class Scheduler:
         ``min_tokens`` are generated (STOP), max_tokens and the maximum length (LENGTH).
         Raises ValueError and changes nothing on a bad argument.
         """
-        prev = self._prev_output
-        if output is not self._last_output and (output is not prev or prev.applied):
+        if output is not self._last_output:
             raise ValueError(
                 "update() needs the SchedulerOutput returned by the latest schedule() call"
             )
+        return self._apply(output, samples)
+
+    def _apply(
+        self, output: SchedulerOutput, samples: Mapping[int, SequenceABC[int]]
+    ) -> UpdateResult:
+        """:meth:`update` once the output is known to be the one to apply now."""
         if output.applied:
             raise ValueError("this SchedulerOutput was already passed to update()")
-        if output is not prev and prev is not None and not prev.applied:
-            raise ValueError(
-                "update() the output before the latest (schedule_ahead) first: outputs are "
-                "applied in the order they were scheduled"
-            )
         if not isinstance(samples, Mapping):
             raise ValueError(f"samples must be a mapping seq_id -> token ids, got {samples!r}")
         sched = output.scheduled
@@ -739,8 +677,8 @@ class Scheduler:
                 if growth is None:
                     growth = {}
                 g = s.group
-                prev = growth.get(id(g))
-                growth[id(g)] = (g, (prev[1] if prev else 0) + len(toks) - 1)
+                before = growth.get(id(g))
+                growth[id(g)] = (g, (before[1] if before else 0) + len(toks) - 1)
             for tok in toks:
                 if type(tok) is not int and (isinstance(tok, bool) or not isinstance(tok, int)):
                     raise ValueError(
@@ -768,8 +706,6 @@ class Scheduler:
         # ---- apply
         output.applied = True
         result = UpdateResult()
-        bm = self.block_manager
-        append_ids = bm.append_token_ids
         max_len = self._max_len
         generated = 0
         for s, toks in todo:  # each step below changes s (and its forks) only
@@ -777,8 +713,7 @@ class Scheduler:
             if n == 1:
                 tok = toks[0]
                 tokens = s.token_ids
-                tokens.append(tok)
-                append_ids(s.seq_id, toks)
+                tokens.append(tok)  # the only copy: the block manager reads this list
                 generated += 1
                 # stop checks, inlined (hot path)
                 g = s.group
@@ -813,11 +748,12 @@ class Scheduler:
         branches = [(s, toks[0])]
         for tok in toks[1:]:
             cid = self._new_seq_id()
-            bm.fork(s.seq_id, cid)
+            child_tokens = s.token_ids.copy()  # the child's own list, before either appends
+            bm.fork(s.seq_id, cid, child_tokens)
             child = Sequence(
                 cid,
                 g,
-                s.token_ids.copy(),
+                child_tokens,
                 s.prompt_len,
                 index=g.next_index,
                 num_computed_tokens=s.num_computed_tokens,
@@ -830,7 +766,6 @@ class Scheduler:
             branches.append((child, tok))
         for seq, tok in branches:
             seq.token_ids.append(tok)
-            bm.append_token_ids(seq.seq_id, (tok,))
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 result.finished_seqs.append(seq)
@@ -928,30 +863,37 @@ class Scheduler:
 
     @property
     def running(self) -> tuple[SequenceGroup, ...]:
+        """Running groups (they hold GPU blocks), in arrival order: the last is the next victim."""
         return tuple(self._running)
 
     @property
     def waiting(self) -> tuple[SequenceGroup, ...]:
+        """Waiting groups (no blocks: new, or preempted by recompute), in arrival order."""
         return tuple(self._waiting)
 
     @property
     def swapped(self) -> tuple[SequenceGroup, ...]:
+        """Groups swapped out to the CPU pool, in arrival order (they resume first)."""
         return tuple(self._swapped)
 
     @property
     def num_running(self) -> int:
+        """Number of running groups."""
         return len(self._running)
 
     @property
     def num_waiting(self) -> int:
+        """Number of waiting groups."""
         return len(self._waiting)
 
     @property
     def num_swapped(self) -> int:
+        """Number of swapped-out groups."""
         return len(self._swapped)
 
     @property
     def num_unfinished(self) -> int:
+        """Requests not finished yet (running, waiting or swapped)."""
         return len(self._groups)
 
     @property
