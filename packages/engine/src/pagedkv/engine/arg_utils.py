@@ -12,6 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvblocks import check_block_size
+
+#: Block sizes the attention kernels are built and tested for (kvblocks takes any power of two).
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _PREEMPTION_MODES = (None, "recompute", "swap")
@@ -61,8 +65,13 @@ class EngineArgs:
             raise bad("load_format", f"{self.load_format!r} is not one of {_LOAD_FORMATS}")
         if self.dtype not in _DTYPES:
             raise bad("dtype", f"{self.dtype!r} is not one of {_DTYPES}")
-        if self.block_size not in (8, 16, 32):
-            raise bad("block_size", f"must be 8, 16 or 32 (got {self.block_size})")
+        try:
+            check_block_size(self.block_size)  # kvblocks' rule: a power of two
+        except ValueError as exc:
+            raise bad("block_size", str(exc)) from None
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise bad("block_size", f"the kernels run block sizes {SUPPORTED_BLOCK_SIZES} "
+                      f"(got {self.block_size})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", f"must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.kv_cache_gb <= 0:
@@ -108,7 +117,7 @@ class EngineArgs:
                        help="weights format; 'dummy' = random weights of the real config (benchmarks)")
         g.add_argument("--dtype", choices=_DTYPES, default="auto", help="weights and activations dtype")
         g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
-        g.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16, help="tokens per KV block")
+        g.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=16, help="tokens per KV block")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
         g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size on the CPU, in GB")

@@ -32,7 +32,7 @@ from pagedkv.engine.outputs import RequestOutput, RunnerOutput
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.step_record import ScheduledSeq, StepRecord
 from pagedkv.engine.worker.model_runner import ModelRunner, resolve_device
-from pagedkv.scheduler import RequestParams, Scheduler, SchedulerConfig
+from pagedkv.scheduler import AsyncScheduler, RequestParams, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,12 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         # tensor_parallel_size 1: a ModelRunner; more: rank 0 of a tensor-parallel group
         self.runner = make_runner(mc, args, self.device, model=model)
-        self.scheduler = Scheduler(SchedulerConfig(
+        # Asynchronous scheduling: only with a runner of this process (not tensor-parallel).
+        use_async = args.async_scheduling
+        if use_async is None:
+            use_async = self.device.type == "cuda"
+        use_async = use_async and isinstance(self.runner, ModelRunner)
+        self.scheduler = (AsyncScheduler if use_async else Scheduler)(SchedulerConfig(
             block_size=args.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=self.runner.num_cpu_blocks,
@@ -97,12 +102,7 @@ class LLMEngine:
         self._observers: list[StepObserver] = []
         self._num_steps = 0
         self._fatal: TensorParallelError | None = None  # set when a tensor-parallel rank died
-        # Asynchronous scheduling: only with a runner of this process (not tensor-parallel).
-        use_async = args.async_scheduling
-        if use_async is None:
-            use_async = self.device.type == "cuda"
-        self._async = (AsyncScheduling(self)
-                       if use_async and isinstance(self.runner, ModelRunner) else None)
+        self._async = AsyncScheduling(self) if use_async else None
         if self.device.type == "cuda":
             # A full collection of Python's cyclic GC walks every tracked object: after loading
             # torch, transformers and a model that is hundreds of thousands, and a step stalls
@@ -304,7 +304,7 @@ class LLMEngine:
             sampled={k: list(v) for k, v in samples.items()},
             forks=tuple(update.forks),
             finished=tuple(r.request_id for r in results if r.finished),
-            num_free_blocks=sched.block_manager.gpu_pool.num_free,
+            num_free_blocks=sched.block_manager.num_free_blocks,
             num_gpu_blocks=sched.config.num_gpu_blocks,
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             num_swapped=sched.num_swapped,
