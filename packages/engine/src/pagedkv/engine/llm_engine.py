@@ -236,7 +236,7 @@ class LLMEngine:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; the `RequestOutput`s of the requests it touched (finished ones,
+        """Run one iteration; the `RequestOutput` of each request it touched (finished ones,
         and with `emit_partial_outputs` the running ones, cumulatively)."""
         if self._fatal is not None:
             raise self._fatal

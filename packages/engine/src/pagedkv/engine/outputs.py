@@ -1,5 +1,5 @@
 """What the engine hands back for a request: `RequestOutput` with one `CompletionOutput` per
-returned sequence, per-token `Logprob`s and timing `RequestMetrics`.
+returned sequence, per-token `Logprob` values and timing `RequestMetrics`.
 
 Field names and positional order follow vLLM so code written against vLLM reads our outputs.
 Streaming outputs are cumulative: `text` and `token_ids` hold everything generated so far.
