@@ -380,4 +380,7 @@ class RequestSampling:
             and not params.needs_penalties
             and not params.logit_bias
             and not params.needs_token_mask
+            and structured is None
+            and allowed_bitmask is None
+            and not bad_words_token_ids
         ), structured, allowed_bitmask, tuple(bad_words_token_ids))
