@@ -256,3 +256,20 @@ def test_strict_json_schemas_close_objects_that_list_properties():
     assert "additionalProperties" not in strict["properties"]["b"]  # no properties: stays open
     assert strict["$defs"]["c"]["additionalProperties"] is True  # said explicitly: kept
     assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+@pytest.mark.gpu
+def test_token_masks_and_logit_bias_on_cuda_match_the_cpu():
+    """The bitmask travels from pinned host memory and is applied on the device: the same
+    tokens as on the CPU."""
+    logits = _logits(6, seed=5)
+    mask = full_bitmask(6, V, pin=True)
+    mask[1] = tokens_to_bitmask([2, 31, 64, 99], V)
+    mask[4] = tokens_to_bitmask([7, 8], V)
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={3: 50.0} if i == 2 else None),
+                        [1], []) for i in range(5)]
+    rows.append(SamplingRow(SamplingParams(temperature=1.0, seed=9), [1], [], position=4))
+    cpu = _sample(logits, rows, token_bitmask=mask.clone())
+    gpu = _sample(logits.cuda(), rows, device="cuda", token_bitmask=mask)
+    assert [r.token_ids for r in cpu.rows] == [r.token_ids for r in gpu.rows]
+    assert cpu.rows[2].token_ids == [3] and cpu.rows[4].token_ids[0] in (7, 8)

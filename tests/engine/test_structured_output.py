@@ -81,13 +81,13 @@ def test_json_schema_outputs_validate(engine):
     greedy = SamplingParams(temperature=0, max_tokens=90, structured_outputs=SO(json=SCHEMA))
     sampled = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=90,
                              structured_outputs=SO(json=SCHEMA, disable_any_whitespace=True))
-    outs = run_all(engine, PROMPTS + PROMPTS[:1], [greedy] * 3 + [sampled])
+    outs = run_all(engine, PROMPTS[:2] + PROMPTS[2:], [greedy] * 2 + [sampled])
     for o in outs:
         for c in o.outputs:
             assert c.finish_reason == "stop", c.text
             jsonschema.validate(json.loads(c.text), SCHEMA)
             assert set(json.loads(c.text)) == set(SCHEMA["properties"])  # strict: no other keys
-    compact = [c.text for c in outs[3].outputs]
+    compact = [c.text for c in outs[2].outputs]
     assert all(" " not in t.replace('" ', "").split('"')[0] for t in compact)
     assert all("\n" not in t for t in compact)
 
@@ -103,14 +103,13 @@ def test_json_object_and_strict_false(engine):
         assert c.text.startswith("{")
 
 
-@pytest.mark.parametrize("pattern", [r"[0-9]{3}-[0-9]{4}", r"(yes|no), because [a-z ]{3,20}\.",
-                                     r"[A-Z][a-z]+ [A-Z][a-z]+"])
-def test_regex_outputs_fullmatch(engine, pattern):
-    sp = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(regex=pattern)),
-          SamplingParams(temperature=1.0, seed=3, max_tokens=40,
-                         structured_outputs=SO(regex=pattern))]
-    for t in texts(run_all(engine, ["Answer:", "Answer:"], sp)):
-        assert re.fullmatch(pattern, t), t
+def test_regex_outputs_fullmatch(engine):
+    patterns = [r"[0-9]{3}-[0-9]{4}", r"(yes|no), because [a-z ]{3,20}\.", r"[A-Z][a-z]+ [A-Z][a-z]+"]
+    sp = [SamplingParams(temperature=t, seed=3, max_tokens=30, structured_outputs=SO(regex=p))
+          for p in patterns for t in (0.0, 1.0)]
+    outs = run_all(engine, ["Answer:"] * len(sp), sp)
+    for o, p in zip(outs, [p for p in patterns for _ in (0, 1)]):
+        assert re.fullmatch(p, o.outputs[0].text), (p, o.outputs[0].text)
 
 
 def test_choice_outputs_are_one_of_the_choices(engine):
@@ -147,21 +146,30 @@ def test_unconstrained_requests_of_a_mixed_batch_get_their_greedy_tokens(make_en
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMA)
 
 
+PRESSURE_PROMPTS = [PROMPTS[0], "Say something:", "Once upon a time"]
+PRESSURE_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=SCHEMA)),
+    SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=24, ignore_eos=True,
+                   structured_outputs=SO(regex=r"[a-z]+( [a-z]+)*\.")),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def pressure_reference(make_engine) -> list[str]:
+    return texts(run_all(make_engine(block_size=8), PRESSURE_PROMPTS, PRESSURE_PARAMS))
+
+
 @pytest.mark.parametrize("overrides", [
-    dict(num_gpu_blocks_override=7, preemption_mode="recompute"),
-    dict(num_gpu_blocks_override=7, num_cpu_blocks_override=64, preemption_mode="swap"),
+    dict(num_gpu_blocks_override=10, preemption_mode="recompute"),
+    dict(num_gpu_blocks_override=10, num_cpu_blocks_override=64, preemption_mode="swap"),
     dict(max_num_batched_tokens=8),
 ], ids=["recompute", "swap", "chunked-prefill"])
-def test_constrained_outputs_identical_under_preemption(make_engine, overrides):
-    sp = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=SCHEMA)),
-          SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=30,
-                         structured_outputs=SO(regex=r"[a-z]+( [a-z]+)*\.")),
-          SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
-    prompts = [PROMPTS[0], "Say something:", "Once upon a time"]
-    ref = run_all(make_engine(), prompts, sp)
-    engine = make_engine(**overrides)
-    got = run_all(engine, prompts, sp)
-    assert texts(got) == texts(ref)
+def test_constrained_outputs_identical_under_preemption(make_engine, pressure_reference,
+                                                        overrides):
+    engine = make_engine(block_size=8, **overrides)
+    got = run_all(engine, PRESSURE_PROMPTS, PRESSURE_PARAMS)
+    assert texts(got) == pressure_reference
     if "num_gpu_blocks_override" in overrides:
         assert engine.get_stats().num_preemptions > 0
 
