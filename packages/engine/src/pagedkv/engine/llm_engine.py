@@ -95,7 +95,7 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=mc.vocab_size, max_model_len=mc.max_model_len,
             kv_capacity=self.runner.num_gpu_blocks * args.block_size,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs, eos_token_ids=self.eos_token_ids,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                        self.scheduler.finish_sequence)
@@ -183,6 +183,11 @@ class LLMEngine:
         eos = self._primary_eos
         stop_ids = list(p.stop_token_ids or ())
         stop_ids += [t for t in self.eos_token_ids if t != eos and not p.ignore_eos]
+        # Prompt logprobs need the logits of every prompt position: such a request takes no
+        # cached prefix (a key of its own keeps its blocks apart), as in vLLM.
+        extra_key = None
+        if p.prompt_logprobs is not None and self.args.enable_prefix_caching:
+            extra_key = ("prompt_logprobs", request_id)
         group = self.scheduler.add_request(request_id, prep.prompt_token_ids, RequestParams(
             n=p.beam_width if p.use_beam_search else p.best_of,
             max_tokens=prep.max_tokens,
@@ -190,7 +195,7 @@ class LLMEngine:
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
             eos_token_id=eos,
             ignore_eos=p.ignore_eos,
-        ))
+        ), extra_key=extra_key)
         group.sampling = prep.sampling  # read by the runner, never by the scheduler
         self.outputs.add(request_id, prep, group,
                          arrival_time if arrival_time is not None else time.time())

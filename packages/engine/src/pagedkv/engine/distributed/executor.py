@@ -347,8 +347,10 @@ class TensorParallelRunner:
         """Run one scheduled step on every rank (each runs the same `StepBatch`); rank 0
         samples from the gathered logits."""
         batch = step_batch(out)
-        logits = self._run("run", (batch,), {})
-        return self.local.sample(out, batch.sample_idx, logits)
+        plain, plan = self.local.plan_logits(out, batch)
+        kwargs = {"prompt_rows": plan.rows} if plan is not None else {}
+        logits = self._run("run", (batch,), kwargs)
+        return self.local.sample(out, batch.sample_idx, logits, plan, plain=plain)
 
     def __getattr__(self, name: str) -> Any:
         """Other `ModelRunner` attributes read rank 0's; a method would run on rank 0 only,
