@@ -55,3 +55,30 @@ def gather_last_dim(x: torch.Tensor, tp: TPInfo | None) -> torch.Tensor | None:
         return torch.cat(parts, dim=-1)
     dist.gather(x, gather_list=None, dst=0, group=tp.group)
     return None
+
+
+def argmax_over_ranks(local_logits: torch.Tensor, vocab_start: int, tp: TPInfo | None) -> torch.Tensor:
+    """The argmax over the whole vocabulary of logits split by vocabulary slices (this rank's
+    ``local_logits [N, slice]`` start at token id ``vocab_start``), on every rank alike.
+
+    Each rank reduces its slice to (largest logit, its token id) per row and an all-gather
+    exchanges those two numbers: ``2 * N`` values per rank instead of the whole vocabulary's
+    logits. Ties go to the lowest token id, as ``torch.argmax`` of the gathered logits does, so
+    the result is that argmax exactly. Entries past the vocabulary (padding) must be ``-inf``."""
+    values, index = local_logits.max(dim=-1)
+    index = index + vocab_start
+    if tp is None or tp.size == 1:
+        return index
+    mine = torch.stack((values.double(), index.double()))  # both exact in float64
+    both = mine.new_empty((tp.size * 2, mine.shape[1]))  # the ranks' pairs, one after another
+    _all_gather_single(both, mine, tp.group)
+    both = both.view(tp.size, 2, -1)
+    best = both[:, 0].argmax(dim=0)  # the first largest: the lowest rank, so the lowest id
+    return both[:, 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """``out[r] = x`` of rank r (``all_gather_single`` since torch 2.13, before it
+    ``all_gather_into_tensor``)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
