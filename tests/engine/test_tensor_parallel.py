@@ -156,7 +156,9 @@ def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) ->
     stats = engine.get_stats()
     assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0, "KV blocks leaked"
     assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
-    return {"tokens": [outs[f"r{i}"] for i in range(len(requests))], "stats": stats}
+    runner = engine.runner
+    return {"tokens": [outs[f"r{i}"] for i in range(len(requests))], "stats": stats,
+            "passes": runner.graph_replays + runner.eager_passes, "async": engine._async is not None}
 
 
 def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple[dict, dict]:
@@ -169,6 +171,7 @@ def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple
     engine = _engine(folder, 2, device=device, **kw)
     try:
         got = _run(engine, requests)
+        got["ranks"] = engine.runner.rank_stats()
     finally:
         start = time.monotonic()
         engine.shutdown()
@@ -180,7 +183,22 @@ def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple
         detail = [(p.name, p.pid, p.exitcode) for p in left]
         pytest.fail(f"workers left running after shutdown ({took:.1f} s): {detail}")
     assert not dist.is_initialized()
+    _check_ranks_ran_alike(ref, got)
     return ref, got
+
+
+def _check_ranks_ran_alike(ref: dict, got: dict) -> None:
+    """Every rank ran every step, the same way (graph or eager, tokens from the device or
+    not), and as many forward passes as one device ran for the same requests."""
+    ranks = got["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(len(ranks)))
+    for r in ranks[1:]:
+        assert {**r, "rank": 0} == ranks[0], ranks
+    assert ranks[0]["steps"] == got["passes"] == ref["passes"] > 0
+    assert ranks[0]["graph_replays"] + ranks[0]["eager_passes"] == ranks[0]["steps"]
+    assert got["async"] == ref["async"]
+    if not got["async"]:
+        assert ranks[0]["steps_with_pending"] == 0
 
 
 @pytest.fixture
@@ -411,27 +429,44 @@ def test_a_preloaded_model_cannot_be_split(checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-gqa-bias", "opt-postnorm-proj", "qwen2-gqa"])
-def test_tp2_greedy_tokens_equal_tp1(checkpoints, one_thread, name):
+@pytest.mark.parametrize(
+    ("name", "async_scheduling"),
+    [("llama-gqa-bias", False), ("llama-gqa-bias", True), ("opt-postnorm-proj", True),
+     ("qwen2-gqa", False)],
+    ids=["llama-plain", "llama-async", "opt-async", "qwen2-plain"],
+)
+def test_tp2_greedy_tokens_equal_tp1(checkpoints, one_thread, name, async_scheduling):
+    """Plain steps, and asynchronous scheduling (each step launched before the tokens of the
+    one before reach the host; every rank computes the argmax and reads it on its device)."""
     requests = [(p, _greedy()) for p in PROMPTS]
-    ref, got = _tp1_vs_tp2(checkpoints[name], requests)
+    ref, got = _tp1_vs_tp2(checkpoints[name], requests, async_scheduling=async_scheduling)
     assert got["tokens"] == ref["tokens"]
     assert len({tuple(t[0]) for t in ref["tokens"]}) == len(PROMPTS), "outputs differ by prompt"
     # each rank's cache holds half the KV heads: the same memory holds twice the blocks
     assert got["stats"].num_gpu_blocks // 2 == ref["stats"].num_gpu_blocks
+    assert got["async"] is async_scheduling
+    if async_scheduling:  # steps scheduled ahead read their last token on every device
+        assert got["ranks"][0]["steps_with_pending"] > 0
+    # on the CPU every pass runs eagerly (CUDA graphs: see the gpu tests)
+    assert got["ranks"][0]["graph_replays"] == 0 == got["ranks"][0]["num_graphs"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "mode"), [("llama-gqa-tied", "swap"), ("opt-prenorm", "recompute")]
+    ("name", "mode", "async_scheduling"),
+    [("llama-gqa-tied", "swap", True), ("opt-prenorm", "recompute", False)],
 )
-def test_tp2_equals_tp1_under_preemption_and_copy_on_write(checkpoints, one_thread, name, mode):
+def test_tp2_equals_tp1_under_preemption_and_copy_on_write(
+    checkpoints, one_thread, name, mode, async_scheduling
+):
     """A KV cache far too small for the batch: sequences are swapped out and back in (the
     block operations reach every rank) or recomputed; parallel samples share blocks and copy
-    them on write."""
+    them on write. Sampled requests take the plain step (logits gathered on rank 0), greedy
+    ones the asynchronous one, and the engine moves between the two."""
     requests = [(p, _greedy(24)) for p in PROMPTS]
     requests.append((PROMPTS[3], SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=24)))
-    kw = dict(num_gpu_blocks_override=8, block_size=8, preemption_mode=mode, max_num_seqs=4)
+    kw = dict(num_gpu_blocks_override=8, block_size=8, preemption_mode=mode, max_num_seqs=4,
+              async_scheduling=async_scheduling)
     ref, got = _tp1_vs_tp2(checkpoints[name], requests, **kw)
     assert ref["stats"].num_preemptions > 0
     assert got["stats"].num_preemptions == ref["stats"].num_preemptions

@@ -64,6 +64,7 @@ class RankRunner(ModelRunner):
     def __init__(self, ctx: ParallelContext, *args: Any, **kwargs: Any) -> None:
         self.ctx = ctx
         self.steps = 0
+        self.steps_with_pending = 0  # steps whose input tokens came from the device
         super().__init__(*args, **kwargs)
         head = getattr(self.model, "lm_head", None)
         self._head = self.model.embed_tokens if head is None else head
@@ -78,6 +79,7 @@ class RankRunner(ModelRunner):
         pending = None
         if msg.pending_rows:
             pending = PendingTokens(msg.pending_rows, msg.pending_sources, self._last_tokens)
+            self.steps_with_pending += 1
         self.steps += 1
         if msg.mode == Mode.TOKENS:
             tokens = self.run(msg.batch, pending, greedy=True)
@@ -100,10 +102,13 @@ class RankRunner(ModelRunner):
         return argmax_over_ranks(local, head.vocab_start, self.ctx.tp)
 
     def stats(self) -> dict[str, int]:
-        """What this rank ran: steps, CUDA-graph replays and eager passes, KV blocks."""
-        return {"rank": self.ctx.rank, "steps": self.steps, "graph_replays": self.graph_replays,
-                "eager_passes": self.eager_passes, "num_gpu_blocks": self.num_gpu_blocks,
-                "num_graphs": len(self.graphs.graphs) if self.graphs is not None else 0}
+        """What this rank ran: steps (and those that read pending tokens on the device),
+        CUDA-graph replays and eager passes, captured graphs, KV blocks."""
+        return {"rank": self.ctx.rank, "steps": self.steps,
+                "steps_with_pending": self.steps_with_pending,
+                "graph_replays": self.graph_replays, "eager_passes": self.eager_passes,
+                "num_graphs": len(self.graphs.graphs) if self.graphs is not None else 0,
+                "num_gpu_blocks": self.num_gpu_blocks}
 
 
 def build_rank_runner(
