@@ -15,6 +15,7 @@ import gc
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -485,8 +486,9 @@ def test_tp2_dummy_weights_equal_tp1(checkpoints, one_thread):
 
 _DEAD_WORKER_SCRIPT = textwrap.dedent(
     """
-    import json, os, signal, sys, time
+    import json, multiprocessing, os, signal, sys, threading, time
     import torch
+    import torch.distributed as dist
 
     def main():
         torch.set_num_threads(1)
@@ -495,28 +497,58 @@ _DEAD_WORKER_SCRIPT = textwrap.dedent(
         from pagedkv.engine.llm_engine import LLMEngine
         from pagedkv.engine.sampling_params import SamplingParams
 
-        engine = LLMEngine(EngineArgs(model=sys.argv[1], device="cpu", dtype="float32",
-                                      tensor_parallel_size=2, kv_cache_gb=0.01, swap_space=0.01,
-                                      distributed_timeout=float(sys.argv[2])))
-        for i in range(3):
-            engine.add_request(str(i), [5, 6, 7 + i],
-                               SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
-        pid = engine.runner._workers.procs[1].pid
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        errors = []
-        for _ in range(2):
+        scenario, model, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+        args = EngineArgs(model=model, device="cpu", dtype="float32", tensor_parallel_size=2,
+                          kv_cache_gb=0.01, swap_space=0.01, distributed_timeout=timeout_s,
+                          async_scheduling=scenario == "async")
+        report = {"errors": []}
+        killed = {}
+
+        def kill(pid):
+            killed["pid"], killed["at"] = pid, time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+
+        if scenario.startswith("startup"):
+            def killer():  # the worker as soon as it exists, or once the groups are up
+                while not multiprocessing.active_children():
+                    time.sleep(0.005)
+                while scenario == "startup-joined" and not dist.is_initialized():
+                    time.sleep(0.005)
+                kill(multiprocessing.active_children()[0].pid)
+            threading.Thread(target=killer, daemon=True).start()
             try:
-                while engine.has_unfinished_requests():
-                    engine.step()
-                errors.append(None)
+                LLMEngine(args)
             except TensorParallelError as exc:
-                errors.append(str(exc))
-        import multiprocessing
-        print(json.dumps({"errors": errors, "seconds": time.monotonic() - start, "pid": pid,
-                          "children": len(multiprocessing.active_children())}))
+                report["errors"].append(str(exc))
+        else:
+            engine = LLMEngine(args)
+            params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            for i in range(3):
+                engine.add_request(str(i), [5, 6, 7 + i], params)
+            if scenario == "idle":  # between steps: nothing runs, the engine must still know
+                kill(engine.runner._workers.procs[1].pid)
+                while engine.is_healthy and time.monotonic() - killed["at"] < 10:
+                    time.sleep(0.01)
+                report["unhealthy_after"] = time.monotonic() - killed["at"]
+            else:
+                for _ in range(3):
+                    engine.step()
+                kill(engine.runner._workers.procs[1].pid)
+            for _ in range(2):
+                try:
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    report["errors"].append(None)
+                except TensorParallelError as exc:
+                    report["errors"].append(str(exc))
+            try:
+                engine.check_health()
+            except TensorParallelError as exc:
+                report["health"] = str(exc)
+        report.update(seconds=time.monotonic() - killed["at"], pid=killed["pid"],
+                      children=len(multiprocessing.active_children()),
+                      initialized=dist.is_initialized())
+        print(json.dumps(report))
 
     if __name__ == "__main__":
         main()
@@ -525,27 +557,137 @@ _DEAD_WORKER_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_dead_worker_stops_the_engine_with_a_clear_error(checkpoints, tmp_path):
-    """Killing a worker mid-generation: the next step raises at once (not after the collective
-    timeout, and never hangs), naming the rank and the signal; so does every later step, and
-    no process is left behind. Runs in a subprocess so that a hang fails the test."""
+@pytest.mark.parametrize("scenario", ["plain", "async", "idle", "startup", "startup-joined"])
+def test_a_dead_worker_stops_the_engine_with_a_clear_error(checkpoints, tmp_path, scenario):
+    """A worker killed mid-generation (plain or asynchronous steps), while the engine idles
+    between steps, or while the engine starts (before or after the process groups are up):
+    the engine raises `TensorParallelError` naming the rank and the signal within seconds
+    (never by the collective timeout, never a hang), every later step raises it too,
+    `is_healthy` turns False with no step run, and no process is left behind. Runs in a
+    subprocess so that a hang fails the test."""
     script = tmp_path / "dead_worker.py"
     script.write_text(_DEAD_WORKER_SCRIPT)
     timeout_s = 60
     proc = subprocess.run(
-        [sys.executable, str(script), str(checkpoints["llama-gqa-tied"]), str(timeout_s)],
-        capture_output=True,
-        text=True,
-        timeout=150,
+        [sys.executable, str(script), scenario, str(checkpoints["llama-gqa-tied"]),
+         str(timeout_s)],
+        capture_output=True, text=True, timeout=150,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    first, again = result["errors"]
-    assert first is not None and again == first
-    assert f"worker rank 1 (pid {result['pid']}) was killed by signal SIGKILL" in first
-    assert result["seconds"] < timeout_s / 2, "noticed by the collective timeout, not at once"
-    assert result["children"] == 0
+    message = f"worker rank 1 (pid {result['pid']}) was killed by signal SIGKILL"
+    errors = result["errors"]
+    assert errors and all(e is not None and message in e for e in errors), (errors, message)
+    if not scenario.startswith("startup"):
+        assert len(errors) == 2 and errors[0] == errors[1]  # every later step too
+        assert message in result["health"]
+    assert result["seconds"] < 10, "noticed by the collective timeout, not at once"
+    if scenario == "idle":
+        assert result["unhealthy_after"] < 2.5  # the monitor, not a step, noticed
+    assert result["children"] == 0 and not result["initialized"]
+
+
+def _child_workers(pid: int) -> list[int]:
+    """Pids of the spawned worker processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start_cli(args: list[str]) -> tuple[subprocess.Popen, Any, list[str]]:
+    """`pagedkv ARGS` in a subprocess; returns it, an event set once the engine is ready, and
+    its stderr lines as they come."""
+    import threading
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv.engine.cli", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    ready = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "engine ready" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, ready, lines
+
+
+def _generate_args(folder: Path, tp: int) -> list[str]:
+    prompts = [f"t{i} t{i + 1} t{i + 2}" for i in range(5, 13)]
+    return ["generate", *prompts, "--model", str(folder), "--device", "cpu", "--dtype",
+            "float32", "--max-tokens", "200", "--quiet", "--kv-cache-gb", "0.01", "--swap-space",
+            "0.01", "-tp", str(tp), "--distributed-timeout", "120"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_pagedkv_generate_exits_non_zero_naming_the_dead_rank_and_leaves_no_process(checkpoints):
+    """`pagedkv generate -tp 4` with one of its three workers killed mid-run: the command
+    says which rank died and exits with code 1 within 10 s; the other two workers are stopped
+    too (no orphan)."""
+    proc, ready, lines = _start_cli(_generate_args(checkpoints["opt-prenorm"], 4))
+    try:
+        assert ready.wait(200), "".join(lines)[-3000:]
+        workers = _child_workers(proc.pid)
+        assert len(workers) == 3, workers
+        time.sleep(1.0)  # generating now
+        victim = workers[1]
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        code = proc.wait(30)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(lines)
+    assert code == 1, err[-3000:]
+    assert took < 10, took
+    assert re.search(rf"error: tensor-parallel worker rank [123] \(pid {victim}\) was killed by "
+                     "signal SIGKILL", err), err[-3000:]
+    assert not [w for w in workers if _alive(w)], "workers left running"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_exit_when_the_driver_is_killed(checkpoints):
+    """SIGKILL gives the driver no chance to stop its workers: they notice it is gone."""
+    proc, ready, lines = _start_cli(_generate_args(checkpoints["llama-gqa-tied"], 2))
+    try:
+        assert ready.wait(200), "".join(lines)[-3000:]
+        workers = _child_workers(proc.pid)
+        assert len(workers) == 1, workers
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _alive(workers[0]), "the worker outlived its driver by 10 s"
 
 
 @pytest.mark.slow

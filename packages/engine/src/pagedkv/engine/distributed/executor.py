@@ -208,6 +208,29 @@ class _Workers:
                 break
             time.sleep(0.02)
 
+    def while_watching(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, run in a helper thread while this one watches the workers: a worker that
+        dies meanwhile raises `TensorParallelError` at once, leaving ``fn`` behind (it fails
+        by its own timeout)."""
+        box: list[Any] = []
+
+        def call() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:
+                box.append((False, exc))
+
+        thread = threading.Thread(target=call, name="pagedkv-tp-start", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if self.failure is not None:
+                raise TensorParallelError(self.describe_failure())
+            thread.join(0.02)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
     def wait_joined(self, store: Any, timeout_s: float) -> None:
         """Wait until every worker has reached the rendezvous, failing fast if one dies first
         (before the process group exists, nothing else would notice)."""
@@ -294,9 +317,14 @@ class TensorParallelRunner:
                 )
                 self._workers.spawn(tp, store.port, device, model_config, args)
                 self._workers.wait_joined(store, timeout_s)
-                ctx = ParallelContext.init(
-                    0, tp, rank_device(device, 0), timeout_s=timeout_s, store=store
-                )
+                rank0 = rank_device(device, 0)
+                if rank0.type == "cuda":
+                    torch.cuda.set_device(rank0)
+                # A worker that dies now would leave the rendezvous waiting for it until the
+                # timeout: wait for it in another thread, watching the workers meanwhile.
+                ctx = self._workers.while_watching(lambda: ParallelContext.init(
+                    0, tp, rank0, timeout_s=timeout_s, store=store
+                ))
             else:
                 ctx = ParallelContext.init(
                     launch.rank,
@@ -428,6 +456,8 @@ class TensorParallelRunner:
     def _guard(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` (work that involves every rank) unless the group is broken; any failure
         in it breaks the group for good (see `_fail`)."""
+        if self._workers.failure is not None:
+            raise self._fail(None)
         self.check_health()
         try:
             result = fn()
