@@ -615,13 +615,19 @@ def _alive(pid: int) -> bool:
 def _start_cli(args: list[str]) -> tuple[subprocess.Popen, Any, list[str]]:
     """`pagedkv ARGS` in a subprocess; returns it, an event set once the engine is ready, and
     its stderr lines as they come."""
-    import threading
-
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedkv.engine.cli", *args], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
+    return (proc, *_watch_stderr(proc))
+
+
+def _watch_stderr(proc: subprocess.Popen) -> tuple[Any, list[str]]:
+    """An event set once `proc` logs that its engine is ready, and its stderr lines so far
+    (read by a thread, which also keeps the pipe from filling up)."""
+    import threading
+
     ready = threading.Event()
     lines: list[str] = []
 
@@ -632,7 +638,7 @@ def _start_cli(args: list[str]) -> tuple[subprocess.Popen, Any, list[str]]:
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    return proc, ready, lines
+    return ready, lines
 
 
 def _generate_args(folder: Path, tp: int) -> list[str]:
@@ -690,30 +696,178 @@ def test_workers_exit_when_the_driver_is_killed(checkpoints):
     assert not _alive(workers[0]), "the worker outlived its driver by 10 s"
 
 
+# --------------------------------------------------------------------------- torchrun, 2 "machines"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun_two_nodes(command: list[str]) -> list[subprocess.Popen]:
+    """`torchrun --nnodes 2 --nproc-per-node 1 -m pagedkv.engine.cli COMMAND`, once per
+    "machine" (node rank 0 and 1), both on this host over loopback: the two-host launch of
+    docs/tensor-parallel.md with 127.0.0.1 as the first machine's address."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "-m", "pagedkv.engine.cli", *command, "--tensor-parallel-size", "2",
+             "--distributed-timeout", "120"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        )
+        for node in (0, 1)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each; kills what is still running after `timeout`."""
+    results = []
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += "\n[killed by the test: still running]"
+        results.append((proc.returncode, out, err))
+    return results
+
+
+_GENERATE = ["generate", "t5 t6 t7 t8", "t100 t3", "--device", "cpu", "--dtype", "float32",
+             "--max-tokens", "12", "--quiet", "--kv-cache-gb", "0.01", "--swap-space", "0.01"]
+
+
 @pytest.mark.slow
-def test_torchrun_launch_serves_rank_0s_command(checkpoints, one_thread, capsys):
-    """`torchrun --nproc-per-node 2 -m pagedkv.engine.cli generate -tp 2`: rank 1 becomes the
-    worker, rank 0 prints what the single-process command prints."""
+def test_torchrun_two_nodes_generate_prints_what_one_process_prints(checkpoints, capsys):
+    """`torchrun --nnodes 2 --nproc-per-node 1 ... pagedkv generate -tp 2` (node 1's rank
+    becomes the worker of rank 0's engine) prints what `pagedkv generate` prints, and both
+    launches exit 0."""
     from pagedkv.engine.cli import main
 
-    folder = str(checkpoints["llama-gqa-bias"])
-    common = ["generate", "t5 t6 t7 t8", "t100 t3", "--model", folder, "--device", "cpu",
-              "--dtype", "float32", "--max-tokens", "12", "--quiet", "--kv-cache-gb", "0.01",
-              "--swap-space", "0.01"]  # fmt: skip
-    assert main(common) == 0
+    command = [*_GENERATE, "--model", str(checkpoints["llama-gqa-bias"])]
+    assert main(command) == 0
     expected = capsys.readouterr().out
     assert expected.count("--- prompt") == 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pagedkv.engine.cli", *common, "--tensor-parallel-size", "2",
-         "--distributed-timeout", "60"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout == expected, (proc.stdout, proc.stderr[-2000:])
-    assert time.monotonic() - start < 200
+    (code0, out0, err0), (code1, out1, err1) = _finish(_torchrun_two_nodes(command), 240)
+    assert code0 == 0 and code1 == 0, (err0[-2000:], err1[-2000:])
+    assert out0 == expected, (out0, err0[-2000:])
+    assert "--- prompt" not in out1  # the worker runs no command of its own
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_rank_0_names_a_dead_rank_and_exits(checkpoints):
+    """Node 1's rank killed mid-run: rank 0 (which cannot see another machine's processes)
+    names it from its silent heartbeat and exits non-zero within 10 s; nothing hangs."""
+    command = _generate_args(checkpoints["llama-gqa-tied"], 2)
+    command = command[: command.index("-tp")]  # _torchrun_two_nodes adds the size
+    procs = _torchrun_two_nodes(command)
+    ready, lines = _watch_stderr(procs[0])
+    try:
+        assert ready.wait(200), "".join(lines)[-3000:]
+        workers = [pid for pid in _children(procs[1].pid) if b"pagedkv" in _cmdline(pid)]
+        assert len(workers) == 1, "node 1's rank is not the agent's one child"
+        time.sleep(1.0)  # generating now
+        assert procs[0].poll() is None, "rank 0 ended before the kill"
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        code0 = procs[0].wait(60)
+        took = time.monotonic() - start
+    finally:
+        _finish(procs, 30)
+    err0 = "".join(lines)
+    assert code0 != 0, err0[-3000:]
+    assert took < 10, took
+    assert "error: tensor-parallel rank 1 stopped responding" in err0, err0[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = resp.read().decode()
+            return resp.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_serve_answers_like_one_device(checkpoints):
+    """The documented two-machine `pagedkv serve --tensor-parallel-size 2` under torchrun,
+    rehearsed on one host: the server on rank 0 answers a completion with the tokens of the
+    unsplit model, and SIGTERM to rank 0's server stops both machines' processes cleanly
+    (every exit code 0)."""
+    import urllib.error
+
+    from pagedkv.engine.llm import LLM
+
+    folder = str(checkpoints["llama-gqa-bias"])
+    prompt, params = "t5 t6 t7 t8", SamplingParams(max_tokens=10, temperature=0.0)
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_gb=0.01, swap_space=0.01)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    port = _free_port()
+    procs = _torchrun_two_nodes(["serve", folder, "--port", str(port), "--device", "cpu",
+                                 "--dtype", "float32", "--kv-cache-gb", "0.01", "--swap-space",
+                                 "0.01"])  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 200
+        status = None
+        while time.monotonic() < deadline and procs[0].poll() is None:
+            try:
+                status, _ = _http("GET", f"{base}/health")
+            except (urllib.error.URLError, ConnectionError, OSError):
+                status = None
+            if status == 200:
+                break
+            time.sleep(0.5)
+        assert status == 200, "the server did not come up"
+        status, body = _http("POST", f"{base}/v1/completions", {
+            "model": _http("GET", f"{base}/v1/models")[1]["data"][0]["id"], "prompt": prompt,
+            "max_tokens": 10, "temperature": 0.0})  # fmt: skip
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected
+        # SIGTERM to rank 0's process (torchrun itself reports any signal as a failure)
+        rank0 = [pid for pid in _children(procs[0].pid) if b"pagedkv" in _cmdline(pid)]
+        assert len(rank0) == 1
+        os.kill(rank0[0], signal.SIGTERM)
+    finally:
+        results = _finish(procs, 60)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
 
 
 # --------------------------------------------------------------------------- GPU (NCCL)

@@ -38,6 +38,8 @@ import torch
 
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.distributed.heartbeat import SILENCE as HEARTBEAT_SILENCE
+from pagedkv.engine.distributed.heartbeat import HeartbeatWatcher
 from pagedkv.engine.distributed.parallel_state import (
     ParallelContext,
     apply_nccl_env,
@@ -109,6 +111,7 @@ class _Workers:
         self.ctx: ParallelContext | None = None
         self.release_graphs: Callable[[], None] | None = None  # the driver's runner's
         self.failure: tuple[int, int | None, int | None] | None = None  # rank, pid, exit code
+        self.heartbeats: HeartbeatWatcher | None = None  # torchrun: ranks not our children
         self.stopping = threading.Event()
         self.closed = False
         self._lock = threading.Lock()
@@ -163,6 +166,20 @@ class _Workers:
                 self._unblock_driver()
                 self._stop_survivors()
 
+    def watch_heartbeats(self, world_size: int) -> None:
+        """Ranks started by torchrun: watch their heartbeats (see `heartbeat`)."""
+        try:
+            self.heartbeats = HeartbeatWatcher(list(range(1, world_size)), self._silent)
+        except Exception as exc:  # no store to watch: a failure will not name its rank
+            logger.warning("cannot watch the workers' heartbeats: %s", exc)
+
+    def _silent(self, rank: int) -> None:
+        if self.stopping.is_set() or self.failure is not None:
+            return
+        self.failure = (rank, None, None)
+        logger.error("%s", self.describe_failure())
+        self._unblock_driver()
+
     def _unblock_driver(self) -> None:
         """A driver waiting in an NCCL collective for a dead rank would wait until the
         collective times out; aborting the communicators releases it at once."""
@@ -187,6 +204,12 @@ class _Workers:
         if self.failure is None:
             return ""
         rank, pid, code = self.failure
+        if pid is None:
+            return (
+                f"tensor-parallel rank {rank} stopped responding (no heartbeat for "
+                f"{HEARTBEAT_SILENCE:.0f} s: its process died or its machine is unreachable); "
+                "the engine is stopped"
+            )
         if code is None:
             how = "stopped responding"
         elif code < 0:
@@ -204,8 +227,10 @@ class _Workers:
         fails a moment before the dead process is reaped)."""
         deadline = time.monotonic() + seconds
         while self.failure is None and time.monotonic() < deadline:
-            if not any(p.is_alive() for p in self.procs.values()):
-                break
+            if self.procs and not any(p.is_alive() for p in self.procs.values()):
+                break  # all reaped: the monitor has said what it will say
+            if not self.procs and self.heartbeats is None:
+                break  # nothing watches torchrun's ranks
             time.sleep(0.02)
 
     def while_watching(self, fn: Callable[[], Any]) -> Any:
@@ -254,6 +279,8 @@ class _Workers:
                 return
             self.closed = True
         self.stopping.set()
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
         ctx = self.ctx
         if graceful and ctx is not None and self.failure is None:
             try:
@@ -333,6 +360,7 @@ class TensorParallelRunner:
                     timeout_s=timeout_s,
                     init_method="env://",
                 )
+                self._workers.watch_heartbeats(tp)
             self._workers.ctx = ctx
             self.ctx = ctx
             self.local = build_rank_runner(ctx, model_config, args)

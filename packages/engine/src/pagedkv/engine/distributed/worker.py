@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.distributed.communication import argmax_over_ranks
+from pagedkv.engine.distributed.heartbeat import start_beating
 from pagedkv.engine.distributed.parallel_state import (
     ParallelContext,
     check_tensor_parallel,
@@ -241,9 +242,12 @@ def run_torchrun_worker(args: EngineArgs, model_config: ModelConfig | None = Non
         timeout_s=args.distributed_timeout,
         init_method="env://",
     )
+    beating = start_beating(launch.rank)  # how rank 0 tells that this rank is gone
     try:
         serve(ctx, build_rank_runner(ctx, model_config, args))
     finally:
+        if beating is not None:
+            beating.set()
         ctx.destroy()
     return 0
 
