@@ -39,6 +39,7 @@ from pagedkv.engine.distributed.parallel_state import (
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.model_loader import load_model
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.worker.cuda_graphs import graph_batch_sizes
 from pagedkv.engine.worker.model_runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,7 +160,8 @@ def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) ->
     assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
     runner = engine.runner
     return {"tokens": [outs[f"r{i}"] for i in range(len(requests))], "stats": stats,
-            "passes": runner.graph_replays + runner.eager_passes, "async": engine._async is not None}
+            "passes": runner.graph_replays + runner.eager_passes,
+            "graph_replays": runner.graph_replays, "async": engine._async is not None}
 
 
 def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple[dict, dict]:
@@ -196,6 +198,7 @@ def _check_ranks_ran_alike(ref: dict, got: dict) -> None:
     for r in ranks[1:]:
         assert {**r, "rank": 0} == ranks[0], ranks
     assert ranks[0]["steps"] == got["passes"] == ref["passes"] > 0
+    assert ranks[0]["graph_replays"] == ref["graph_replays"]  # graphs where one device has them
     assert ranks[0]["graph_replays"] + ranks[0]["eager_passes"] == ranks[0]["steps"]
     assert got["async"] == ref["async"]
     if not got["async"]:
@@ -498,9 +501,11 @@ _DEAD_WORKER_SCRIPT = textwrap.dedent(
         from pagedkv.engine.sampling_params import SamplingParams
 
         scenario, model, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
-        args = EngineArgs(model=model, device="cpu", dtype="float32", tensor_parallel_size=2,
+        device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+        args = EngineArgs(model=model, device=device, dtype="float32", tensor_parallel_size=2,
                           kv_cache_gb=0.01, swap_space=0.01, distributed_timeout=timeout_s,
-                          async_scheduling=scenario == "async")
+                          async_scheduling=scenario == "async", gpu_memory_utilization=0.3,
+                          max_num_seqs=16)
         report = {"errors": []}
         killed = {}
 
@@ -696,6 +701,36 @@ def test_workers_exit_when_the_driver_is_killed(checkpoints):
     assert not _alive(workers[0]), "the worker outlived its driver by 10 s"
 
 
+def test_heartbeat_watcher_names_the_rank_that_stops_beating(monkeypatch):
+    """The torchrun ranks' heartbeat: a rank that beats is never reported; one that stops is
+    reported once, after the silence (here shortened)."""
+    import threading
+
+    from pagedkv.engine.distributed import heartbeat
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setattr(heartbeat, "INTERVAL", 0.02)
+    beats = {r: heartbeat.start_beating(r) for r in (1, 2)}
+    silent: list[int] = []
+    done = threading.Event()
+    watcher = heartbeat.HeartbeatWatcher([1, 2], lambda r: (silent.append(r), done.set()),
+                                         silence=0.3)
+    try:
+        time.sleep(0.5)
+        assert silent == []  # both beat
+        beats[2].set()  # rank 2 stops
+        stopped = time.monotonic()
+        assert done.wait(5)
+        assert silent == [2] and time.monotonic() - stopped > 0.2  # not at the first quiet poll
+        time.sleep(0.2)
+        assert silent == [2]  # reported once
+    finally:
+        watcher.stop()
+        beats[1].set()
+
+
 # --------------------------------------------------------------------------- torchrun, 2 "machines"
 
 
@@ -880,12 +915,47 @@ two_gpus = pytest.mark.skipif(
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("name", ["llama-gqa-bias", "opt-postnorm-proj"])
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_gpu_tp2_greedy_tokens_equal_tp1(checkpoints, name, eager):
+@pytest.mark.parametrize(
+    ("eager", "async_scheduling"), [(False, True), (False, False), (True, True)],
+    ids=["graphs-async", "graphs-plain", "eager-async"],
+)
+def test_gpu_tp2_greedy_tokens_equal_tp1(checkpoints, name, eager, async_scheduling):
+    """Over NCCL: the same tokens as one GPU, with the decode passes replayed from CUDA graphs
+    (all-reduces captured inside) on every rank, or eagerly, with asynchronous scheduling or
+    without."""
     requests = [(p, _greedy()) for p in PROMPTS]
-    kw = dict(gpu_memory_utilization=0.3, enforce_eager=eager, max_num_seqs=16)
+    kw = dict(gpu_memory_utilization=0.3, enforce_eager=eager, max_num_seqs=16,
+              async_scheduling=async_scheduling)
     ref, got = _tp1_vs_tp2(checkpoints[name], requests, device="cuda", **kw)
     assert got["tokens"] == ref["tokens"]
+    rank0 = got["ranks"][0]
+    if eager:
+        assert rank0["graph_replays"] == 0 == rank0["num_graphs"]
+    else:  # every decode pass of up to 16 sequences replays a graph, on every rank
+        assert rank0["num_graphs"] == len(graph_batch_sizes(16))  # 1, 2, 4, 8, 16
+        assert rank0["graph_replays"] > rank0["eager_passes"] > 0
+    if async_scheduling:
+        assert rank0["steps_with_pending"] > 0
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("scenario", ["async", "idle"])
+def test_gpu_a_dead_worker_stops_the_engine_at_once(checkpoints, tmp_path, scenario):
+    """Over NCCL a collective with a dead peer does not fail by itself: the monitor aborts the
+    communicators, and the engine raises within seconds (CUDA graphs, asynchronous steps)."""
+    script = tmp_path / "dead_worker.py"
+    script.write_text(_DEAD_WORKER_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), scenario, str(checkpoints["llama-gqa-tied"]), "60", "cuda"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    message = f"worker rank 1 (pid {result['pid']}) was killed by signal SIGKILL"
+    assert result["errors"] and all(e and message in e for e in result["errors"]), result
+    assert result["seconds"] < 10 and result["children"] == 0
 
 
 @pytest.mark.gpu
