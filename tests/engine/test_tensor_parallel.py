@@ -167,6 +167,7 @@ def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) ->
 def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple[dict, dict]:
     ref_engine = _engine(folder, 1, device=device, **kw)
     ref = _run(ref_engine, requests)
+    ref_healthy = ref_engine.is_healthy
     del ref_engine
     gc.collect()
     if torch.cuda.is_available():
@@ -175,10 +176,12 @@ def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple
     try:
         got = _run(engine, requests)
         got["ranks"] = engine.runner.rank_stats()
+        assert engine.is_healthy and ref_healthy
     finally:
         start = time.monotonic()
         engine.shutdown()
         took = time.monotonic() - start
+    assert not engine.is_healthy  # shut down: no step can run
     left = multiprocessing.active_children()
     if left:  # say whether they were stuck or only slow to exit, then fail
         for p in left:

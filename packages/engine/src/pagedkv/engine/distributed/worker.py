@@ -19,6 +19,7 @@ Workers start in one of two ways:
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -141,6 +142,10 @@ def build_rank_runner(
 def serve(ctx: ParallelContext, runner: RankRunner) -> None:
     """Execute the driver's steps until it says stop."""
     decoder = StepDecoder()
+    # As the driver's engine does: a full collection walks every object torch and the model
+    # created, a stall of the whole group; what lives now lives as long as the loop.
+    gc.collect()
+    gc.freeze()
     while True:
         header, payload = recv_message(ctx.cpu_group)
         kind = message_kind(header)
