@@ -150,6 +150,10 @@ class ModelRunner:
         # the GPU waited for the host.
         self.step_gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._span_start: torch.cuda.Event | None = None
+        # Forward passes so far, by how they ran: a decode batch replaying a captured CUDA
+        # graph, or eagerly (tests check that graphs are replayed, on every rank).
+        self.graph_replays = 0
+        self.eager_passes = 0
 
         torch.manual_seed(args.seed)
         self.model = model if model is not None else load_model(
@@ -332,13 +336,21 @@ class ModelRunner:
         A sequence scheduled ahead of its last token reads it here from the step launched
         before, on the device."""
         batch = step_batch(out)
-        pending = None
-        if batch.placeholders:
-            rows = self._last_rows
-            pending = PendingTokens([r for r, _ in batch.placeholders],
-                                    [rows[sid] for _, sid in batch.placeholders],
-                                    self._last_tokens)
-        tokens = self.run(batch, pending).argmax(dim=-1)
+        tokens = self.run(batch, self.pending_tokens(batch), greedy=True)
+        return self.in_flight(out, batch, tokens)
+
+    def pending_tokens(self, batch: StepBatch) -> PendingTokens | None:
+        """Where the placeholders of `batch` read their tokens: the argmax rows of the step
+        launched before (None without placeholders)."""
+        if not batch.placeholders:
+            return None
+        rows = self._last_rows
+        return PendingTokens([r for r, _ in batch.placeholders],
+                             [rows[sid] for _, sid in batch.placeholders], self._last_tokens)
+
+    def in_flight(self, out, batch: StepBatch, tokens: torch.Tensor) -> InFlightStep:
+        """Remember the launched step's `tokens` (device, one per sampling row) for the next
+        step's placeholders and start copying them to the host."""
         seqs = out.seqs
         if len(batch.sample_idx) != len(seqs):
             seqs = [seqs[k] for k in batch.sample_idx]
@@ -356,10 +368,13 @@ class ModelRunner:
             host.copy_(tokens)
         return InFlightStep(seqs, host, ready)
 
-    def run(self, batch: StepBatch, pending: PendingTokens | None = None, *,
-            prompt_rows: list[int] | None = None) -> torch.Tensor:
+    def run(
+        self, batch: StepBatch, pending: PendingTokens | None = None, *, greedy: bool = False,
+        prompt_rows: list[int] | None = None,
+    ) -> torch.Tensor:
         """Block operations, then one forward pass; float32 logits of the sampling rows,
-        followed by those of the flat token rows `prompt_rows` (prompt logprobs) when given.
+        followed by those of the flat token rows `prompt_rows` (prompt logprobs) when given, or
+        with `greedy` the sampling rows' argmax token ids (int64, `greedy_tokens`).
 
         Tensor-parallel ranks all call this with the same arguments."""
         if batch.swap_out or batch.swap_in or batch.copies:
@@ -373,12 +388,13 @@ class ModelRunner:
             ids = [t[0] for t in batch.token_ids]
             self._begin_span()
             hidden = graphs.replay(ids, batch.starts, batch.block_tables, b, write)
+            self.graph_replays += 1
             if prompt_rows:
                 rows = batch.sample_idx + prompt_rows
                 hidden = hidden[host_tensor(rows).to(self.device, non_blocking=True)]
             elif not batch.samples_every_row:
                 hidden = hidden[host_tensor(batch.sample_idx).to(self.device, non_blocking=True)]
-            logits = self.model.compute_logits(hidden)
+            logits = self.greedy_tokens(hidden) if greedy else self.model.compute_logits(hidden)
             self._end_span()
             return logits
         inputs, _ = build_inputs(batch, self.block_size, self.device)
@@ -386,8 +402,12 @@ class ModelRunner:
             pending.write_into(inputs.input_ids)
         self._begin_span()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self.eager_passes += 1
         if not batch.sample_idx and not prompt_rows:
-            logits = hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+            logits = (hidden.new_empty(0, dtype=torch.long) if greedy else
+                      hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32))
+        elif greedy:
+            logits = self.greedy_tokens(hidden[inputs.sample_rows])
         else:
             rows = inputs.sample_rows
             if prompt_rows:
@@ -396,6 +416,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
         self._end_span()
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token id (int64, on the device) of each row of `hidden`. A
+        tensor-parallel rank overrides this to reduce its vocabulary slice with the others'."""
+        return self.model.compute_logits(hidden).argmax(dim=-1)
 
     def apply_block_ops(
         self,
