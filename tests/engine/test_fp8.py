@@ -1,0 +1,323 @@
+"""The engine's fp8 options: ``--kv-cache-dtype fp8`` and ``--quantization fp8``.
+
+- options: bad values are refused before anything is built; the CLI flags fill them;
+- fp8 KV cache: e4m3 cache tensors with twice the blocks of a 16-bit cache (four times those of
+  float32) in the same memory; greedy outputs identical to themselves under preemption by swap
+  and by recompute, chunked prefill and prefix caching (fp8 blocks swapped and copied as they
+  are); close to the float cache's outputs;
+- fp8 weights: every tensor-parallel linear layer quantized per output channel, the fallback
+  matmul equal to a float64 computation of the same quantized operands, the model's logits
+  close to the unquantized ones, a model of the wrong kind refused by the runner;
+- GPU (``gpu``): ``torch._scaled_mm`` against the fallback, and the engine with both options
+  on CUDA graphs.
+The committed accuracy figure (64 prompts x 64 tokens) comes from
+``python -m pagedkv.bench.fp8_accuracy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.model_loader import load_model
+from pagedkv.engine.models.quantization import (
+    fp8_linear,
+    is_quantized,
+    quantization_of,
+    quantize_model,
+)
+from pagedkv.engine.sampling_params import SamplingParams
+
+FP8 = torch.float8_e4m3fn
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+    "Q: What is the largest planet in the solar system?\nA:",
+    "The three primary colors are red, yellow and blue. Mixing red and blue gives purple, mixing "
+    "blue and yellow gives green, and mixing red and yellow gives",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture
+def seed() -> int:
+    from pagedattn_kernels.testing import fresh_seed
+
+    value = fresh_seed()
+    print(f"seed={value} (replay with PAGEDATTN_TEST_SEED={value})")
+    return value
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def run_all(engine: LLMEngine, prompts: list[str]) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy())
+    finals: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    stats = engine.get_stats()
+    assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0, "KV blocks leaked"
+    return [finals[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions where two greedy runs chose the same token."""
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return same / sum(len(r) for r in a)
+
+
+# --------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("kv_cache_dtype", "fp16", "kv_cache_dtype"), ("kv_cache_dtype", "int8", "kv_cache_dtype"),
+     ("quantization", "int4", "quantization"), ("quantization", "awq", "quantization")],
+)  # fmt: skip
+def test_bad_options_are_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**{field: value})
+
+
+def test_cli_flags_fill_the_options():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert args.kv_cache_dtype == "auto" and args.quantization is None
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(["--kv-cache-dtype", "fp8", "--quantization", "fp8"])
+    )
+    assert args.kv_cache_dtype == "fp8" and args.quantization == "fp8"
+    assert EngineArgs(quantization="none").quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "e5m2"])
+
+
+# --------------------------------------------------------------------------- fp8 KV cache
+
+
+@pytest.fixture(scope="module")
+def make_engine(embedded_model) -> Callable[..., LLMEngine]:
+    def make(**overrides: Any) -> LLMEngine:
+        opts: dict[str, Any] = dict(device="cpu", kv_cache_gb=0.05, swap_space=0.02, seed=0)
+        opts.update(overrides)
+        return LLMEngine(EngineArgs(**opts), model=embedded_model)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def float_tokens(make_engine) -> list[list[int]]:
+    return run_all(make_engine(), PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def fp8_tokens(make_engine) -> list[list[int]]:
+    return run_all(make_engine(kv_cache_dtype="fp8"), PROMPTS)
+
+
+def test_fp8_cache_holds_more_blocks(make_engine):
+    plain = make_engine()
+    fp8 = make_engine(kv_cache_dtype="fp8")
+    assert plain.runner.kv_cache.dtype == torch.float32
+    assert fp8.runner.kv_cache.dtype == FP8 and fp8.runner.swap_cache.dtype == FP8
+    # Same --kv-cache-gb: one byte per element instead of four (float32 on the CPU).
+    assert fp8.runner.block_bytes * 4 == plain.runner.block_bytes
+    assert fp8.runner.num_gpu_blocks // 4 == plain.runner.num_gpu_blocks
+    assert fp8.runner.kv_cache.element_size() * fp8.runner.kv_cache.numel() <= 0.05 * (1 << 30)
+
+
+def test_fp8_cache_doubles_a_bf16_cache(embedded_model_config: ModelConfig):
+    from pagedkv.engine.config import kv_cache_dtype
+
+    c = embedded_model_config
+    bf16 = c.kv_bytes_per_token(kv_cache_dtype("auto", torch.bfloat16))
+    fp8 = c.kv_bytes_per_token(kv_cache_dtype("fp8", torch.bfloat16))
+    assert bf16 == 2 * fp8 == 2 * (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+
+
+def test_fp8_cache_close_to_the_float_cache(fp8_tokens, float_tokens):
+    # Same tokens at the start of every answer (e4m3 keeps 3 mantissa bits of each K/V
+    # element); later a near-tie may flip and the continuations differ.
+    assert all(a[:4] == b[:4] for a, b in zip(fp8_tokens, float_tokens))
+    assert agreement(fp8_tokens, float_tokens) >= 0.6
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_gpu_blocks_override=9, num_cpu_blocks_override=64, preemption_mode="swap"),
+        dict(num_gpu_blocks_override=9, preemption_mode="recompute"),
+        dict(max_num_batched_tokens=8),
+        dict(enable_prefix_caching=True, block_size=8),
+    ],
+    ids=["swap", "recompute", "chunked-prefill", "prefix-caching"],
+)
+def test_fp8_outputs_identical_under_memory_policies(make_engine, fp8_tokens, overrides):
+    engine = make_engine(kv_cache_dtype="fp8", **overrides)
+    assert run_all(engine, PROMPTS) == fp8_tokens
+    if "num_gpu_blocks_override" in overrides:
+        assert engine.get_stats().num_preemptions > 0, "the KV budget should force preemption"
+
+
+def test_default_cache_ignores_the_scales(make_engine, embedded_model, float_tokens):
+    """Scales other than 1.0 change nothing for a float cache (they are not passed)."""
+    attn = [m for m in embedded_model.modules() if type(m).__name__ == "Attention"]
+    assert attn and all(float(m.k_scale) == 1.0 and m.k_scale.dtype == torch.float32 for m in attn)
+    try:
+        for m in attn:
+            m.k_scale.fill_(3.0)
+            m.v_scale.fill_(0.1)
+        assert run_all(make_engine(), PROMPTS[:2]) == float_tokens[:2]
+    finally:
+        for m in attn:
+            m.k_scale.fill_(1.0)
+            m.v_scale.fill_(1.0)
+
+
+# --------------------------------------------------------------------------- fp8 weights
+
+
+def _tiny_llama(tiny_checkpoint) -> tuple[ModelConfig, torch.nn.Module]:
+    ckpt = tiny_checkpoint("llama-gqa-tied")
+    cfg = ModelConfig.from_model(ckpt.folder, device="cpu")
+    return cfg, load_model(cfg, device="cpu", dtype=torch.float32)
+
+
+def test_quantize_model_layers(tiny_checkpoint):
+    cfg, model = _tiny_llama(tiny_checkpoint)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert not is_quantized(model) and quantization_of(model) is None
+    n = quantize_model(model, "fp8")
+    assert n == 4 * cfg.num_layers  # qkv, o, gate_up, down per layer
+    assert quantization_of(model) == "fp8"
+    for name, module in model.named_modules():
+        if getattr(module, "quantizable", False):
+            w, s = module.weight, module.weight_scale
+            assert w.dtype == FP8 and s.dtype == torch.float32 and s.shape == (1, w.shape[0])
+            # Per output channel: the largest magnitude of each row maps to 448.
+            orig = before[f"{name}.weight"]
+            assert torch.allclose(s[0], orig.abs().amax(dim=1) / 448, rtol=1e-6)
+            assert torch.equal(w.float().abs().amax(dim=1), torch.full((w.shape[0],), 448.0))
+    # Embeddings (the tied LM head) and norms keep float32.
+    assert model.embed_tokens.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_model(model, "int4")
+
+
+def test_quantize_model_without_linear_layers_changes_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match="no linear layers"):
+        quantize_model(model, "fp8")
+    assert torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_fallback_is_the_quantized_product(seed, dtype):
+    """The CPU path computes exactly sum_k xq*wq, times both scales: against a float64
+    computation of the same quantized operands (independently dequantized)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 5, 48, generator=gen) * 3).to(dtype)
+    w = (torch.randn(32, 48, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(32, generator=gen).to(dtype)
+    from pagedkv.engine.models.quantization import quantize_weight
+
+    wq, ws = quantize_weight(w)
+    y = fp8_linear(x, wq, ws, bias)
+    assert y.shape == (2, 5, 32) and y.dtype == dtype
+    # Independent: quantize x per token by the definition, dequantize both in float64.
+    x2 = x.reshape(-1, 48).double()
+    xs = (x2.abs().amax(dim=1, keepdim=True) / 448).float().double()
+    from pagedattn_kernels.reference import nearest_e4m3
+
+    xq = nearest_e4m3(x.reshape(-1, 48), xs.float()).double()
+    want = (xq * xs) @ (wq.double() * ws.double().T).T + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.reshape(-1, 32).double(), want, rtol=tol, atol=tol * want.abs().max())
+    # ... and close to the unquantized product (e4m3 on both sides: a few percent).
+    exact = x.double() @ w.double().T + bias.double()
+    assert ((y.double() - exact).norm() / exact.norm()) < 0.08
+
+
+def test_quantized_model_logits_stay_close(tiny_checkpoint, single_thread):
+    cfg, model = _tiny_llama(tiny_checkpoint)
+    _, quant = _tiny_llama(tiny_checkpoint)
+    quantize_model(quant, "fp8")
+    engine_a = LLMEngine(EngineArgs(model=str(cfg.path), device="cpu", kv_cache_gb=0.01,
+                                    skip_tokenizer_init=True), model=model)  # fmt: skip
+    engine_b = LLMEngine(EngineArgs(model=str(cfg.path), device="cpu", kv_cache_gb=0.01,
+                                    skip_tokenizer_init=True, quantization="fp8"), model=quant)
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    outs = []
+    for engine in (engine_a, engine_b):
+        engine.add_request("r", prompt, params)
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        outs.append(final.outputs[0].logprobs[0])
+    top_a = {t: lp.logprob for t, lp in outs[0].items()}
+    top_b = {t: lp.logprob for t, lp in outs[1].items()}
+    shared = set(top_a) & set(top_b)
+    assert len(shared) >= 10, "the top-20 tokens largely the same"
+    assert max(abs(top_a[t] - top_b[t]) for t in shared) < 0.5
+
+
+def test_runner_refuses_a_model_of_the_other_kind(tiny_checkpoint):
+    cfg, model = _tiny_llama(tiny_checkpoint)
+    with pytest.raises(ValueError, match="quantization"):
+        LLMEngine(EngineArgs(model=str(cfg.path), device="cpu", kv_cache_gb=0.01,
+                             skip_tokenizer_init=True, quantization="fp8"), model=model)
+    assert not is_quantized(model)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 512])
+def test_scaled_mm_matches_the_fallback(seed, m):
+    from pagedkv.engine.models.quantization import quantize_weight, uses_scaled_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(6144, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    wq, ws = quantize_weight(w)
+    assert uses_scaled_mm(x, wq), "an H200 runs torch._scaled_mm"
+    y = fp8_linear(x, wq, ws)
+    y_ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu())
+    err = (y.cpu().double() - y_ref.double()).norm() / y_ref.double().norm()
+    assert err < 1e-2, f"rel error {err:.2e} (seed={seed})"
+
+
+@pytest.mark.gpu
+def test_engine_fp8_on_gpu_with_graphs():
+    """bf16 vs fp8 KV + fp8 weights on the GPU, decode through CUDA graphs."""
+    base = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3))
+    want = run_all(base, PROMPTS)
+    blocks = base.runner.num_gpu_blocks
+    del base
+    torch.cuda.empty_cache()
+    fp8 = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+                               kv_cache_dtype="fp8", quantization="fp8"))  # fmt: skip
+    got = run_all(fp8, PROMPTS)
+    assert fp8.runner.kv_cache.dtype == FP8
+    assert fp8.runner.graph_replays > 0
+    assert fp8.runner.num_gpu_blocks > 1.8 * blocks  # same memory budget, half the bytes
+    assert agreement(got, want) >= 0.5
