@@ -292,7 +292,7 @@ class LLMEngine:
             self.scheduler.abort(rid)
         self.scheduler.update(out, {})
 
-    def observe(self, out, samples, update, results, **timings: float) -> None:
+    def observe(self, out, samples, update, results, /, **timings: float) -> None:
         """Tell the step observers what the step did (a `StepRecord`)."""
         self._num_steps += 1
         sched = self.scheduler
