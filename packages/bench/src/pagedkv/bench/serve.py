@@ -65,7 +65,7 @@ from typing import Any
 
 import httpx
 
-from pagedkv.bench.env import environment
+from pagedkv.bench.env import environment, hardware
 
 #: Default bound on normalized latency for `--request-rates`, in seconds per output token.
 #: 0.2 s/token is 5 tokens/s per user over the whole request, queueing and prefill included:
@@ -828,8 +828,9 @@ def run_compare_offline(args: argparse.Namespace) -> dict[str, Any]:
         if key in offline[0]:
             result[f"offline_{key}"] = statistics.median(r[key] for r in offline)
     env = environment()
-    result.update({"commit": env["commit"], "command": env["command"], "env": env,
-                   "offline_env": offline[0].get("env")})
+    offline_env = offline[0].get("env") or {}
+    result.update({"hardware": offline_env.get("gpu") or hardware(), "commit": env["commit"],
+                   "command": env["command"], "env": env, "offline_env": offline_env})
     return result
 
 

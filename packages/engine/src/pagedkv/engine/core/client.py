@@ -121,7 +121,11 @@ class MPClient(CoreClient):
     meanwhile); `wait_ready()` blocks until the core has loaded the model.
     """
 
-    def __init__(self, args: Any, *, log_level: str | None = None) -> None:
+    def __init__(self, args: Any, *, log_level: str | None = None,
+                 core_command: list[str] | None = None) -> None:
+        """`core_command`: what to run instead of `python -m pagedkv.engine.core` (a stand-in
+        that speaks the same messages, e.g. `scripts/serve_frontend_load.py`'s); it gets the
+        same options."""
         self._folder = tempfile.mkdtemp(prefix="pagedkv-core-")  # mode 0700
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
@@ -141,7 +145,7 @@ class MPClient(CoreClient):
         self._recv_task: asyncio.Task | None = None
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         cmd = [
-            sys.executable, "-m", "pagedkv.engine.core",
+            *(core_command or [sys.executable, "-m", "pagedkv.engine.core"]),
             "--engine-args", json.dumps(dataclasses.asdict(args)),
             "--input", f"ipc://{self._folder}/in",
             "--output", f"ipc://{self._folder}/out",
