@@ -167,6 +167,7 @@ def main() -> int:
     ap.add_argument("--no-stream", action="store_true")
     ap.add_argument("--request-rate", default="inf")
     ap.add_argument("--bench-args", default="", help="more `bench serve` options")
+    ap.add_argument("--result-json", default=None, help="also write the result to this file")
     ns = ap.parse_args()
 
     import uvicorn
@@ -230,6 +231,15 @@ def main() -> int:
               f"{result['served_over_engine']:.3f} of it; API process CPU "
               f"{result['api_cpu_fraction']:.2f} core, of which handling step messages "
               f"{result['api_output_handling_s']:.2f} s over {result['step_messages']} messages")
+    from pagedkv.bench.env import environment, hardware
+
+    env = environment()
+    result = {"benchmark": "scripts/serve_frontend_load.py (stand-in engine core)",
+              "workload": ns.workload, "num_prompts": ns.num_prompts, "step_ms": ns.step_ms,
+              "max_num_seqs": ns.max_num_seqs, "stream": not ns.no_stream, **result,
+              "hardware": hardware(), "commit": env["commit"], "command": env["command"]}
+    if ns.result_json:
+        Path(ns.result_json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return 0
 

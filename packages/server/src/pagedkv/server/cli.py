@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -152,6 +153,11 @@ async def _serve(args: argparse.Namespace) -> int:
             lifespan="off",
         )
         server = _Server(config)
+        # What is alive now (the app, the tokenizer, imported modules) lives as long as the
+        # server: frozen out of the cyclic GC, whose full passes would otherwise walk it while
+        # hundreds of streams wait (the engine core does the same with its own objects).
+        gc.collect()
+        gc.freeze()
 
         def on_dead(exc: BaseException) -> None:
             died.append(exc)
