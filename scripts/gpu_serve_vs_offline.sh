@@ -14,14 +14,16 @@
 #   bash scripts/gpu_serve_vs_offline.sh
 # then, for the request-rate sweep (serve_sweep_llama3_8b.json and .png), a second call:
 #   bash scripts/gpu_serve_sweep.sh
-# Tunables (environment): NUM_PROMPTS, REPEATS (each repeat restarts both engines: about 4
-# minutes on an H200), MAX_NUM_SEQS, MAX_BATCHED, BENCH_EXTRA, BUDGET_S.
+# Tunables (environment): NUM_PROMPTS, REPEATS (default 2, interleaved; each repeat starts both
+# engines and runs the requests three times: an estimated 3 minutes on an H200; the JSON is
+# rewritten after each repeat, so a run cut short keeps what it finished), MAX_NUM_SEQS,
+# MAX_BATCHED, BENCH_EXTRA, BUDGET_S.
 set -uo pipefail
 start_s=$SECONDS
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
 PYTHON="${PYTHON:-python3}"
 NUM_PROMPTS="${NUM_PROMPTS:-1000}"
-REPEATS="${REPEATS:-1}"
+REPEATS="${REPEATS:-2}"
 MAX_NUM_SEQS="${MAX_NUM_SEQS:-1024}"
 MAX_BATCHED="${MAX_BATCHED:-16384}"
 MODEL="${MODEL:-meta-llama/Meta-Llama-3-8B}"

@@ -745,9 +745,11 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_compare_offline(args: argparse.Namespace) -> dict[str, Any]:
-    """See the module docstring; returns the result (also printed, and written to
-    `--result-json`)."""
+def run_compare_offline(
+    args: argparse.Namespace, on_repeat: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """See the module docstring; returns the result. `on_repeat(result so far)` after each
+    repeat."""
     model, rest = split_engine_args(args.engine_args)
     specs = make_requests(args)
     folder = Path(tempfile.mkdtemp(prefix="pagedkv-compare-"))
@@ -773,17 +775,28 @@ def run_compare_offline(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             server.stop()
 
+    result: dict[str, Any] = {}
     for k in range(args.repeats):
         steps = ("offline", "serve") if k % 2 == 0 else ("serve", "offline")
         for step in steps:
             if step == "serve":
                 serve(k)
             else:
-                result = _run_offline(model, rest, dataset, len(specs), folder, k,
-                                      args.offline_timeout)
-                offline.append(result)
-                print(f"  repeat {k + 1}: offline engine: {result['output_tok_s']:.1f} output "
+                run = _run_offline(model, rest, dataset, len(specs), folder, k,
+                                   args.offline_timeout)
+                offline.append(run)
+                print(f"  repeat {k + 1}: offline engine: {run['output_tok_s']:.1f} output "
                       "tok/s", flush=True)
+        result = _compare_result(args, specs, offline, streamed, plain)
+        result["partial"] = k + 1 < args.repeats
+        if on_repeat is not None:
+            on_repeat(result)  # a run cut short keeps the repeats it finished
+    return result
+
+
+def _compare_result(args: argparse.Namespace, specs: list[RequestSpec],
+                    offline: list[dict[str, Any]], streamed: list[dict[str, Any]],
+                    plain: list[dict[str, Any]]) -> dict[str, Any]:
     off = [r["output_tok_s"] for r in offline]
     st = [r["output_throughput"] for r in streamed]
     ns_ = [r["output_throughput"] for r in plain]
@@ -797,7 +810,7 @@ def run_compare_offline(args: argparse.Namespace) -> dict[str, Any]:
         "total_input_tokens": sum(len(s.prompt) for s in specs),
         "total_output_tokens": sum(s.output_len for s in specs),
         "engine_args": args.engine_args,
-        "repeats": args.repeats,
+        "repeats": len(off),
         "offline_output_tok_s": statistics.median(off),
         "serve_output_tok_s": statistics.median(st),
         "serve_over_offline": statistics.median(st) / statistics.median(off),
@@ -1183,10 +1196,15 @@ def _run_sweep_cli(args: argparse.Namespace) -> int:
 def _run_compare_cli(args: argparse.Namespace) -> int:
     print(f"  compare with the offline engine: engine options {args.engine_args!r}, "
           f"{args.repeats} repeats, warm-up requests: {args.warmup_requests}", flush=True)
-    result = run_compare_offline(args)
+    setup = _setup(args)
+
+    def save(result: dict[str, Any]) -> None:
+        if args.result_json:
+            _write_json(args.result_json, {"setup": setup, **result})
+
+    result = run_compare_offline(args, on_repeat=save)
     print(format_compare(result))
     if args.result_json:
-        _write_json(args.result_json, {"setup": _setup(args), **result})
         print(f"  results: {args.result_json}")
     print(json.dumps(_json_ready({k: v for k, v in result.items() if k not in ("env",
                                                                                  "offline_env")})))
