@@ -69,6 +69,7 @@ def fake_core(argv: list[str]) -> int:
     die_with_parent(ns.parent_pid, ns.pdeathsig)
     opts = json.loads(ns.engine_args)
     step_s = float(os.environ["FAKE_STEP_MS"]) / 1000
+    gate = int(os.environ.get("FAKE_GATE", "0"))  # wait for this many requests, then step
     max_seqs = int(opts["max_num_seqs"])
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
@@ -84,16 +85,18 @@ def fake_core(argv: list[str]) -> int:
     waiting: collections.deque = collections.deque()
     running: dict[str, list] = {}
     rng = random.Random(0)
-    tokens = steps = 0
+    tokens = steps = max_batch = 0
     first = last = None
+    first_wall = 0.0
     next_t = time.perf_counter()
     while True:
         if not running and not waiting:
             if first is not None:  # idle again: report the busy period
                 Path(os.environ["FAKE_REPORT"]).write_text(json.dumps({
                     "stand_in_tokens": tokens, "stand_in_steps": steps,
-                    "stand_in_busy_s": last - first}))
-                tokens = steps = 0
+                    "stand_in_busy_s": last - first, "stand_in_first_step_wall": first_wall,
+                    "stand_in_max_batch": max_batch}))
+                tokens = steps = max_batch = 0
                 first = last = None
             inp.poll(1000)
         while inp.poll(0):
@@ -108,6 +111,9 @@ def fake_core(argv: list[str]) -> int:
                 waiting = collections.deque(w for w in waiting if w[0] not in gone)
             elif kind == KIND_SHUTDOWN:
                 return 0
+        if gate and first is None and len(waiting) < gate:
+            inp.poll(10)
+            continue
         while waiting and len(running) < max_seqs:
             w = waiting.popleft()
             running[w[0]] = w
@@ -119,6 +125,8 @@ def fake_core(argv: list[str]) -> int:
         next_t = max(next_t + step_s, time.perf_counter())
         if first is None:
             first = time.perf_counter()
+            first_wall = time.time()
+        max_batch = max(max_batch, len(running))
         rids = list(running)
         msg = EngineCoreOutputs(request_ids=rids, seq_indices=[0] * len(rids),
                                 token_ids=[rng.randrange(1000, 128000) for _ in rids])
@@ -165,6 +173,9 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--port", type=int, default=8019)
     ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--gate", action="store_true",
+                    help="the stand-in starts stepping once every request has arrived (as the "
+                    "offline engine starts with all of them): every stream runs at once")
     ap.add_argument("--request-rate", default="inf")
     ap.add_argument("--bench-args", default="", help="more `bench serve` options")
     ap.add_argument("--result-json", default=None, help="also write the result to this file")
@@ -177,6 +188,7 @@ def main() -> int:
     from pagedkv.server.app import build_app
 
     os.environ["FAKE_STEP_MS"] = str(ns.step_ms)
+    os.environ["FAKE_GATE"] = str(ns.num_prompts if ns.gate else 0)
     report = Path(tempfile.mkdtemp(prefix="pagedkv-load-")) / "stand_in.json"
     os.environ["FAKE_REPORT"] = str(report)
     client = MPClient(EngineArgs(max_num_seqs=ns.max_num_seqs),
@@ -203,6 +215,7 @@ def main() -> int:
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE)
         stdout, _ = await proc.communicate()
+        result["client_end_wall"] = time.time()
         children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         lines = stdout.decode().strip().splitlines()
         print("\n".join(lines[:-1]))
@@ -224,11 +237,16 @@ def main() -> int:
         result.update(json.loads(report.read_text()))
         engine_tok_s = result["stand_in_tokens"] / result["stand_in_busy_s"]
         result["engine_output_tok_s"] = engine_tok_s
-        result["served_over_engine"] = result["output_throughput"] / engine_tok_s
+        # From the stand-in's first step to the client's last token: what the API process
+        # delivered in the time the engine took (with --gate, every stream runs from step 1).
+        window = result.pop("client_end_wall") - result["stand_in_first_step_wall"]
+        result["delivery_window_s"] = window
+        result["served_over_engine"] = result["stand_in_busy_s"] / window
         result["api_cpu_fraction"] = result["api_cpu_s"] / result["duration_s"]
         print(f"stand-in engine: {engine_tok_s:,.0f} tok/s ({result['stand_in_steps']} steps of "
-              f"{ns.step_ms} ms); served {result['output_throughput']:,.0f} tok/s = "
-              f"{result['served_over_engine']:.3f} of it; API process CPU "
+              f"{ns.step_ms} ms, up to {result['stand_in_max_batch']} streams a step); its "
+              f"tokens reached the client in {result['delivery_window_s']:.1f} s from its first "
+              f"step, {result['served_over_engine']:.3f} of engine speed; API process CPU "
               f"{result['api_cpu_fraction']:.2f} core, of which handling step messages "
               f"{result['api_output_handling_s']:.2f} s over {result['step_messages']} messages")
     from pagedkv.bench.env import environment, hardware
