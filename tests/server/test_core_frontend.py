@@ -263,3 +263,22 @@ def test_without_a_tokenizer_token_ids_only() -> None:
         assert out.outputs[0].text == "" and out.outputs[0].token_ids == [5, 6]
 
     run(go())
+
+
+def test_prompt_logprobs_come_with_the_first_delta() -> None:
+    import pickle
+
+    async def go():
+        outs, inputs = make()
+        st_ = add(outs, inputs, "r", SamplingParams(max_tokens=3, temperature=0.0,
+                                                    prompt_logprobs=0))
+        lps = [None, {ALPHABET.index("b"): -1.5}]
+        msg = step("r", ids("c"))
+        msg.prompt_logprobs = [("r", pickle.dumps(lps))]
+        outs.process(msg)
+        first = outs.take(st_)
+        assert first.prompt_logprobs == lps and first.outputs[0].text == "c"
+        outs.process(step("r", ids("d"), finish=("length", None), finished=[done("r")]))
+        assert outs.take(st_).prompt_logprobs == lps
+
+    run(go())

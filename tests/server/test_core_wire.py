@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
+from types import SimpleNamespace
 
 import msgspec
 from hypothesis import given, settings
@@ -54,6 +56,8 @@ def step_messages(draw) -> EngineCoreOutputs:
         rejected=draw(st.lists(st.tuples(st.text(max_size=4), st.text(max_size=20)), max_size=2)),
         stats=draw(st.none() | st.builds(CoreStats, num_running=st.integers(0, 99),
                                          gpu_kv_usage=st.floats(0, 1))),
+        prompt_logprobs=draw(st.lists(st.tuples(st.sampled_from(["a", "z"]),
+                                                st.binary(max_size=8)), max_size=2)),
         timestamp=draw(finite),
     )
 
@@ -107,3 +111,88 @@ def test_core_stats_have_the_engine_stats_names() -> None:
     assert set(CoreStats.__struct_fields__) == names
     stats = EngineStats(**{name: i for i, name in enumerate(sorted(names))})
     assert msgspec.structs.asdict(CoreStats.of(stats)) == dataclasses.asdict(stats)
+
+
+class _StubOutputs:
+    """An output processor's outside, as `EngineCore` uses it."""
+
+    def __init__(self) -> None:
+        self.deltas = None
+        self.prompt_lps: dict[str, list] = {}
+
+    def prompt_logprobs_of(self, rid: str):
+        return self.prompt_lps.get(rid)
+
+
+class _StubEngine:
+    """An `LLMEngine`'s outside: requests are queued, `step` appends one token each (through
+    the output processor's `StepDeltas`, as the real one does) and a request ends after two."""
+
+    def __init__(self) -> None:
+        self.outputs = _StubOutputs()
+        self.live: dict[str, int] = {}
+        self.emit_partial_outputs = True
+
+    def prepare_request(self, ids, params):
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return SimpleNamespace(prompt_token_ids=list(ids), params=params)
+
+    def add_prepared_request(self, rid, prep, arrival):
+        self.live[rid] = 0
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.live.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def get_stats(self):
+        return EngineStats(num_running=len(self.live))
+
+    def step(self):
+        from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+        d = self.outputs.deltas
+        done = []
+        for rid in list(self.live):
+            self.live[rid] += 1
+            d.request_ids.append(rid)
+            d.seq_indices.append(0)
+            d.token_ids.append(100 + self.live[rid])
+            if self.live[rid] == 2:
+                d.finishes.append((len(d.token_ids) - 1, "length", None))
+                del self.live[rid]
+                done.append(RequestOutput(rid, None, [1], [CompletionOutput(
+                    0, "", [101, 102], 0.0, None, "length")], True, RequestMetrics(0.0)))
+        return done
+
+
+def test_engine_core_turns_steps_into_messages_and_sends_prompt_logprobs_once() -> None:
+    from pagedkv.engine.core.engine_core import EngineCore
+
+    engine = _StubEngine()
+    core = EngineCore(engine)
+    assert engine.outputs.deltas is not None and not engine.emit_partial_outputs
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    core.add_request(EngineCoreRequest.of("a", [1, 2, 3], greedy, 0.0))
+    core.add_request(EngineCoreRequest.of("b", [1, 2], SamplingParams(prompt_logprobs=1), 0.0))
+    core.add_request(EngineCoreRequest.of("bad", [], greedy, 0.0))
+    engine.outputs.prompt_lps["b"] = [None]  # one of two prompt positions computed so far
+    first = core.step()
+    assert first.request_ids == ["a", "b"] and first.token_ids == [101, 101]
+    assert first.rejected == [("bad", "the prompt is empty")]
+    assert first.prompt_logprobs == [] and first.finished == []
+    engine.outputs.prompt_lps["b"] = [None, {7: -0.5}]
+    second = core.step()
+    assert second.seq_finishes == [SeqFinish(0, "length"), SeqFinish(1, "length")]
+    assert [f.request_id for f in second.finished] == ["a", "b"]
+    assert not any(f.aborted for f in second.finished)
+    ((rid, blob),) = second.prompt_logprobs
+    assert rid == "b" and pickle.loads(blob) == [None, {7: -0.5}]
+    assert second.stats is not None and second.stats.num_running == 0  # idle: counters sent
+    assert core.idle_message() is None  # nothing new to say
+    # every message survives the wire
+    for msg in (first, second):
+        assert decoder(EngineCoreOutputs).decode(Encoder().encode(msg)) == msg

@@ -32,7 +32,7 @@ from typing import Any
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.core.client import CoreClient, EngineDeadError, InprocClient, MPClient
 from pagedkv.engine.core.engine_core import core_params
-from pagedkv.engine.core.frontend import OUTPUT_KINDS, FrontendOutputs, OutputKind
+from pagedkv.engine.core.frontend import FrontendOutputs, OutputKind
 from pagedkv.engine.core.messages import CoreStats, EngineCoreOutputs
 from pagedkv.engine.input_processor import InputProcessor
 from pagedkv.engine.outputs import RequestOutput
@@ -40,7 +40,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OUTPUT_KINDS", "AsyncLLMEngine", "EngineDeadError"]
+__all__ = ["AsyncLLMEngine"]
 
 
 class AsyncLLMEngine:

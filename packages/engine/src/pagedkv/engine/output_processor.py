@@ -1,5 +1,5 @@
 """What happens to sampled tokens after the scheduler applied them: text, stop strings,
-log-probabilities, beam search and the `RequestOutput`s a caller sees.
+log-probabilities, beam search and the `RequestOutput` objects a caller sees.
 
 The scheduler owns the sequences (their tokens, forks, stop tokens, lengths). This module
 keeps, per sequence, only what the scheduler does not need: the incremental detokenizer (and
@@ -105,7 +105,7 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Per-request output state, and the step's `RequestOutput`s."""
+    """Per-request output state, and the step's `RequestOutput` objects."""
 
     def __init__(
         self,
@@ -159,6 +159,12 @@ class OutputProcessor:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def prompt_logprobs_of(self, request_id: str) -> list | None:
+        """The prompt logprobs computed so far for a live request that asked for them (the
+        engine core sends them on once complete); None otherwise."""
+        st = self._requests.get(request_id)
+        return None if st is None else getattr(st, "prompt_logprobs", None)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -223,7 +229,7 @@ class OutputProcessor:
         return samples
 
     def process(self, out, result: RunnerOutput, samples, update, now: float) -> list[RequestOutput]:
-        """Apply the step's new tokens to the output state; the step's `RequestOutput`s.
+        """Apply the step's new tokens to the output state; the step's `RequestOutput` objects.
 
         `samples` is what `Scheduler.update` applied (see `choose`) and `update` its result."""
         requests = self._requests

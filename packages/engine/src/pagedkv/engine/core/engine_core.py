@@ -51,9 +51,9 @@ def core_params(params):
 
 
 def wants_final(params) -> bool:
-    """Whether a request's result is more than its streamed tokens (the core then sends its
-    whole final `RequestOutput`, once)."""
-    return bool(params.use_beam_search) or params.prompt_logprobs is not None
+    """Whether a request's result is more than its streamed tokens (beam search: the core then
+    sends its whole final `RequestOutput`, once)."""
+    return bool(params.use_beam_search)
 
 
 class EngineCore:
@@ -65,6 +65,7 @@ class EngineCore:
         self._deltas = StepDeltas()
         engine.outputs.deltas = self._deltas
         self._final_wanted: set[str] = set()
+        self._prompt_lp_wanted: dict[str, int] = {}  # request id -> prompt length
         self._queued: dict[str, float] = {}
         self._rejected: list[tuple[str, str]] = []
         self._last_stats = 0.0
@@ -100,6 +101,8 @@ class EngineCore:
         self._queued[req.request_id] = now
         if wants_final(params):
             self._final_wanted.add(req.request_id)
+        if params.prompt_logprobs is not None:
+            self._prompt_lp_wanted[req.request_id] = len(prep.prompt_token_ids)
         self._stats_dirty = True
 
     def abort(self, request_ids: list[str]) -> None:
@@ -125,6 +128,8 @@ class EngineCore:
                 EntryLogprobs(i, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
                 for i, lp in d.logprobs
             ]
+        if self._prompt_lp_wanted:
+            msg.prompt_logprobs = self._complete_prompt_logprobs(finished_outputs)
         if finished_outputs:
             msg.finished = [self._finished(out) for out in finished_outputs]
             self._stats_dirty = True
@@ -150,6 +155,22 @@ class EngineCore:
         self._last_stats = time.time()
         self._stats_dirty = False
         return CoreStats.of(self.engine.get_stats())
+
+    def _complete_prompt_logprobs(self, finished_outputs) -> list[tuple[str, bytes]]:
+        """Prompt logprobs that became complete in this step (or ended with their request)."""
+        done = []
+        of = self.engine.outputs.prompt_logprobs_of
+        for rid, n in list(self._prompt_lp_wanted.items()):
+            lps = of(rid)
+            if lps is not None and len(lps) >= n:
+                done.append((rid, pickle.dumps(list(lps), protocol=5)))
+                del self._prompt_lp_wanted[rid]
+        for out in finished_outputs:
+            if self._prompt_lp_wanted.pop(out.request_id, None) is not None:
+                lps = out.prompt_logprobs
+                if lps is not None:
+                    done.append((out.request_id, pickle.dumps(list(lps), protocol=5)))
+        return done
 
     def _finished(self, out) -> FinishedRequest:
         rid = out.request_id

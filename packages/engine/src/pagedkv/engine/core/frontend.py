@@ -99,7 +99,8 @@ class RequestStream:
     aborted: bool = False
     delivered: bool = False  # the finished output was taken
     error: BaseException | None = None
-    core_final: RequestOutput | None = None  # beam search, prompt logprobs: the core's result
+    core_final: RequestOutput | None = None  # beam search: the core's result
+    prompt_logprobs: list | None = None  # when asked: sent by the core once complete
 
 
 class FrontendOutputs:
@@ -158,6 +159,11 @@ class FrontendOutputs:
         if msg.seq_finishes:
             fins = {f.entry: f for f in msg.seq_finishes}
         touched: dict[str, RequestStream] = {}
+        for rid, blob in msg.prompt_logprobs:
+            st = requests.get(rid)
+            if st is not None:
+                st.prompt_logprobs = pickle.loads(blob)
+                touched[rid] = st
         entry = -1
         for rid, index, tok in zip(msg.request_ids, msg.seq_indices, msg.token_ids):
             entry += 1
@@ -264,7 +270,7 @@ class FrontendOutputs:
                 return None
             comps = [s.completion() for _, s in sorted(st.seqs.items())]
             return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
-                                 False, st.metrics)
+                                 False, st.metrics, prompt_logprobs=st.prompt_logprobs)
         comps = []
         for _, s in sorted(st.seqs.items()) if len(st.seqs) > 1 else st.seqs.items():
             text = s.text()
@@ -291,8 +297,7 @@ class FrontendOutputs:
         elif not comps:
             return None
         return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
-                             st.finished, st.metrics,
-                             prompt_logprobs=_prompt_logprobs(st.core_final))
+                             st.finished, st.metrics, prompt_logprobs=st.prompt_logprobs)
 
     def final_output(self, st: RequestStream) -> RequestOutput:
         """The finished request's output, as the offline engine gives it."""
@@ -305,6 +310,7 @@ class FrontendOutputs:
                                         eos_token_ids=self.eos_token_ids).text
             core.prompt = st.prep.prompt
             core.metrics = st.metrics
+            core.prompt_logprobs = st.prompt_logprobs
             return core
         comps = [s.completion() for _, s in sorted(st.seqs.items())]
         if st.aborted:
@@ -316,8 +322,4 @@ class FrontendOutputs:
             for i, c in enumerate(comps):
                 c.index = i
         return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps, True,
-                             st.metrics, prompt_logprobs=_prompt_logprobs(core))
-
-
-def _prompt_logprobs(core_final: RequestOutput | None):
-    return core_final.prompt_logprobs if core_final is not None else None
+                             st.metrics, prompt_logprobs=st.prompt_logprobs)

@@ -81,8 +81,8 @@ class FinishedRequest(msgspec.Struct, array_like=True, gc=False):
     returned completion, as the core saw them (a fallback for sequences whose finish came with
     no token). Times are the core's `time.time()`: when it queued the request, first scheduled
     it and sampled its first token (None when it never got there). `final` is the pickled
-    `RequestOutput` for requests whose result is not the sum of their tokens (beam search,
-    prompt logprobs); None otherwise.
+    `RequestOutput` for requests whose result is not the sum of their tokens (beam search);
+    None otherwise.
     """
 
     request_id: str
@@ -127,12 +127,16 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     logprobs: list[EntryLogprobs] = []
     finished: list[FinishedRequest] = []
     rejected: list[tuple[str, str]] = []  # (request id, why): requests the core refused
+    #: (request id, pickled prompt logprobs), once per request that asked for them, in the
+    #: message of the step that computed the last of them (with its first token)
+    prompt_logprobs: list[tuple[str, bytes]] = []
     stats: CoreStats | None = None
     timestamp: float = 0.0  # the core's time.time() when it sent the message
 
     @property
     def is_empty(self) -> bool:
-        return not (self.token_ids or self.finished or self.rejected or self.stats)
+        return not (self.token_ids or self.finished or self.rejected or self.stats
+                    or self.prompt_logprobs)
 
 
 class EngineCoreReady(msgspec.Struct, gc=False):
