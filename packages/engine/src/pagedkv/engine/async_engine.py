@@ -136,7 +136,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self._dead))
 
     def get_stats(self) -> CoreStats:
-        """The engine's counters as of its last message (sent at least every 0.1 s while it
+        """The engine's counters as of its last message (sent at least every 0.5 s while it
         runs, and when it goes idle)."""
         return self._stats
 

@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Most often the engine's counters ride along with a step's message (they cost
-#: O(blocks in use) to gather); they are always sent when the engine goes idle.
-STATS_INTERVAL_S = 0.1
+#: Most often the engine's counters ride along with a step's message: gathering them walks
+#: the block pool (milliseconds with tens of thousands of blocks, on the step loop's thread),
+#: and /metrics is scraped every few seconds. They are always sent when the engine goes idle.
+STATS_INTERVAL_S = 0.5
 
 
 def core_params(params):
