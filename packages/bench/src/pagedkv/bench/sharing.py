@@ -23,11 +23,13 @@ the prefix cache on and off: blocks in use and throughput.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pagedkv.bench.common import (
@@ -76,6 +78,12 @@ TRANSLATION_EXAMPLES = [
      "jedoch, dass schwierige Entscheidungen über die öffentlichen Ausgaben bevorstünden."),
 ]
 
+#: Token counts of the 1- and 5-shot prefixes with the embedded model's tokenizer (a test
+#: checks them), and a typical query's: models without a tokenizer (bundled shapes with random
+#: weights, the GPU runs) get random token ids of these lengths.
+PREFIX_TOKENS = {1: 111, 2: 196, 3: 293, 4: 381, 5: 479}
+QUERY_TOKENS = 19
+
 TRANSLATION_QUERIES = [
     "The museum will remain closed for renovation until the end of the summer.",
     "Our train was delayed by almost two hours because of a signal failure near the border.",
@@ -109,9 +117,11 @@ def translation_prefix(shots: int) -> str:
 def add_sharing_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sharing report")
     g.add_argument("--widths", default="2,4,6", help="n / beam widths to measure")
-    g.add_argument("--dataset", default="builtin", choices=("builtin", "sharegpt", "alpaca"),
-                   help="where prompts and output lengths come from (default builtin: 4 short "
-                        "prompts, --max-tokens each)")
+    g.add_argument("--dataset", default="builtin",
+                   help="builtin (default: 4 short prompts, --max-tokens each), sharegpt (real "
+                        "ShareGPT V3), sharegpt-synthetic or alpaca (synthetic lengths, random "
+                        "ids), or a JSON file of {prompt_token_ids, output_len} (as "
+                        "`python -m pagedkv.bench.paper_gpu prepare` writes)")
     g.add_argument("--num-prompts", type=int, default=8,
                    help="requests per measurement for sharegpt/alpaca (default 8)")
     g.add_argument("--max-tokens", type=int, default=None,
@@ -150,14 +160,37 @@ def _requests(args: argparse.Namespace, tokenizer: Any, vocab_size: int
             raise ValueError("--dataset sharegpt: the embedded tokenizer's ids go past this "
                              f"model's vocabulary of {vocab_size}")
         pairs = [(list(r.prompt_token_ids), r.output_len) for r in reqs]
-    else:
+    elif args.dataset in ("alpaca", "sharegpt-synthetic"):
         from pagedkv.bench.workloads import sample_lengths
 
-        rng = random.Random(f"alpaca-ids-{args.dataset_seed}")
+        rng = random.Random(f"{args.dataset}-ids-{args.dataset_seed}")
         low = min(1000, vocab_size // 4)
         pairs = [([rng.randrange(low, vocab_size) for _ in range(p)], o)
-                 for p, o in sample_lengths("alpaca", args.num_prompts, seed=args.dataset_seed)]
+                 for p, o in sample_lengths(args.dataset, args.num_prompts,
+                                            seed=args.dataset_seed)]
+    else:
+        pairs = _file_requests(args.dataset, args.num_prompts, vocab_size)
     return [(p, min(o, cap) if cap else o) for p, o in pairs]
+
+
+def _file_requests(path: str, num: int, vocab_size: int) -> list[tuple[list[int], int]]:
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--dataset: not builtin/sharegpt/sharegpt-synthetic/alpaca and not a "
+                         f"readable JSON file ({e})") from None
+    if isinstance(rows, dict):
+        rows = rows.get("requests", [])
+    out = []
+    for r in rows[:num]:
+        ids = [int(t) for t in r["prompt_token_ids"]]
+        if not ids or max(ids) >= vocab_size:
+            raise ValueError(f"{path}: a prompt is empty or has ids past the vocabulary "
+                             f"({vocab_size})")
+        out.append((ids, int(r["output_len"])))
+    if len(out) < num:
+        raise ValueError(f"{path} holds {len(out)} requests; asked for {num}")
+    return out
 
 
 def measure(engine, requests: list[tuple[str | list[int], Any]]) -> dict[str, float]:
@@ -202,8 +235,14 @@ def _prefix_runs(args: argparse.Namespace, engine_args, shots_list: list[int]) -
                    for i in range(args.prefix_requests)]
         for cached in (False, True):
             engine = LLMEngine.from_engine_args(replace(engine_args, enable_prefix_caching=cached))
-            tok = engine.get_tokenizer()
-            n_prefix = len(tok(prefix).input_ids)
+            if engine.model_config.is_bundled_shape:  # random weights, no tokenizer: token ids
+                n_prefix = PREFIX_TOKENS[shots]
+                rng = random.Random(shots)
+                ids = [rng.randrange(1000, 32000) for _ in range(n_prefix)]
+                prompts = [ids + [rng.randrange(1000, 32000) for _ in range(QUERY_TOKENS)]
+                           for _ in range(args.prefix_requests)]  # fmt: skip
+            else:
+                n_prefix = len(engine.get_tokenizer()(prefix).input_ids)
             # warm-up (kernels, graphs); with the cache on it also primes the prefix, as a
             # server that has seen the prompt before would be
             measure(engine, [(prompts[0], sp)])

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.bench.buddy import BuddyAllocator
 from pagedkv.bench.cost_model import (
     CostModel,
     GPUSpec,
@@ -50,7 +51,6 @@ from pagedkv.bench.cost_model import (
     gpu_names,
     model_names,
 )
-from pagedkv.bench.buddy import BuddyAllocator
 from pagedkv.bench.env import environment
 from pagedkv.bench.workloads import (
     RequestSpec,
