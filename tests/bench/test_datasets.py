@@ -85,3 +85,23 @@ def test_sharing_on_real_sharegpt_prompts(capsys):
         "dataset", "num_prompts", "parallel_2_saving_pct"}
     # a real prompt of several blocks and 3 new tokens: two samples share nearly everything
     assert 25 < res["parallel_2_saving_pct"] < 50
+
+
+def test_sharing_reads_a_requests_file(tmp_path):
+    """The GPU runs' real ShareGPT requests come as a file (`paper_gpu prepare`)."""
+    f = tmp_path / "reqs.json"
+    rows = [{"prompt_token_ids": [5, 6, 7], "output_len": 4},
+            {"prompt_token_ids": [9], "output_len": 2}]
+    f.write_text(json.dumps({"requests": rows}))
+    assert sharing._file_requests(str(f), 2, 100) == [([5, 6, 7], 4), ([9], 2)]
+    args = argparse.Namespace(dataset=str(f), num_prompts=2, max_tokens=3, dataset_seed=0)
+    assert sharing._requests(args, 100) == [([5, 6, 7], 3), ([9], 2)]  # capped at --max-tokens
+    with pytest.raises(ValueError, match="holds 2 requests; asked for 3"):
+        sharing._file_requests(str(f), 3, 100)
+    with pytest.raises(ValueError, match="past the vocabulary"):
+        sharing._file_requests(str(f), 2, 8)
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        sharing._file_requests(str(tmp_path / "nope.json"), 1, 100)
+    args = argparse.Namespace(dataset="alpaca", num_prompts=0, max_tokens=None, dataset_seed=0)
+    with pytest.raises(ValueError, match="--num-prompts"):
+        sharing._requests(args, 100)

@@ -140,8 +140,7 @@ def add_sharing_args(p: argparse.ArgumentParser) -> None:
                    help="output tokens per shared-prefix request (default 32)")
 
 
-def _requests(args: argparse.Namespace, tokenizer: Any, vocab_size: int
-              ) -> list[tuple[str | list[int], int]]:
+def _requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[str | list[int], int]]:
     """(prompt, output length) of each request, from `--dataset`."""
     cap = args.max_tokens
     if args.dataset == "builtin":
@@ -266,7 +265,7 @@ def run_sharing_cli(args: argparse.Namespace) -> int:
         translation_prefix(s)  # a clear error before any run
     engine = LLMEngine.from_engine_args(engine_args)
     vocab = engine.model_config.hf_config.vocab_size
-    reqs = _requests(args, None, vocab)
+    reqs = _requests(args, vocab)
     n_in = sum(len(p) if isinstance(p, list) else 0 for p, _ in reqs)
     print(f"model {engine.model_config.name} on {engine.device}, dataset {args.dataset}: "
           f"{len(reqs)} requests"
