@@ -84,7 +84,10 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
     if args.dataset == "sharegpt":
         reqs = sharegpt_requests(args.num_prompts, args.workload_seed, vocab_size)
     elif args.dataset:
-        rows = json.loads(Path(args.dataset).read_text())[: args.num_prompts]
+        data = json.loads(Path(args.dataset).read_text())
+        if isinstance(data, dict):  # `python -m pagedkv.bench.paper_gpu prepare` writes this
+            data = data.get("requests", [])
+        rows = data[: args.num_prompts]
         reqs = []
         for i, r in enumerate(rows):
             if "prompt_token_ids" in r:
