@@ -45,6 +45,12 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _save_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Write what is measured so far: a run stopped by the script's time limit keeps it."""
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps({**result, "partial": True}) + "\n")
+
+
 def kernels(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import triton
@@ -67,7 +73,7 @@ def kernels(args: argparse.Namespace) -> dict[str, Any]:
             t = triton.testing.do_bench(
                 lambda a=a, out=out: pk.paged_decode_attention(*a, max_seq_len=args.context,
                                                                out=out),
-                warmup=25, rep=100, return_mode="median") / 1e3  # fmt: skip
+                warmup=10, rep=50, return_mode="median") / 1e3  # fmt: skip
             kv_bytes = 2 * sum(lens) * kv_heads * dim * 2
             rows.append({"shape": name, "block_size": bs, "op": "decode", "seconds": t,
                          "kv_gb_s": kv_bytes / t / 1e9})  # fmt: skip
@@ -83,10 +89,11 @@ def kernels(args: argparse.Namespace) -> dict[str, Any]:
             t = triton.testing.do_bench(
                 lambda a2=a2, out=out, n=n: pk.paged_attention(*a2, max_query_len=n,
                                                                max_seq_len=n, out=out),
-                warmup=25, rep=100, return_mode="median") / 1e3  # fmt: skip
+                warmup=10, rep=50, return_mode="median") / 1e3  # fmt: skip
             flops = 4 * n * n / 2 * heads * dim  # causal: half of QK^T and PV
             rows.append({"shape": name, "block_size": bs, "op": "prefill", "seconds": t,
                          "tflop_s": flops / t / 1e12})
+            _save_partial(args, {"experiment": "kernels", "rows": rows})
             del b, a2, out
             torch.cuda.empty_cache()
             logger.info("kernels %s bs %d done", name, bs)
@@ -208,6 +215,8 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
             row[f"swap_in_{n}_s"] = in_s
         rows.append(row)
         logger.info("engine bs %d: %s", bs, row)
+        _save_partial(args, {"experiment": "engine", "model": args.model, "workload": source,
+                             "rows": rows})
         del eng
         torch.cuda.empty_cache()
     return {"experiment": "engine", "model": args.model, "workload": source,
@@ -224,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="kernels: decode batch")
     ap.add_argument("--context", type=int, default=2048, help="kernels: tokens per sequence")
     ap.add_argument("--model", default="meta-llama/Meta-Llama-3-8B", help="engine: model shape")
-    ap.add_argument("--num-prompts", type=int, default=300, help="engine: requests per run")
+    ap.add_argument("--num-prompts", type=int, default=200, help="engine: requests per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)

@@ -228,20 +228,24 @@ def _prefix_runs(args: argparse.Namespace, engine_args, shots_list: list[int]) -
 
     rows = []
     sp = SamplingParams(max_tokens=args.prefix_output_len, temperature=0.0, ignore_eos=True)
-    for shots in shots_list:
-        prefix = translation_prefix(shots)
-        prompts = [f"{prefix}English: {TRANSLATION_QUERIES[i % len(TRANSLATION_QUERIES)]}\nGerman:"
-                   for i in range(args.prefix_requests)]
-        for cached in (False, True):
-            engine = LLMEngine.from_engine_args(replace(engine_args, enable_prefix_caching=cached))
+    for cached in (False, True):  # one engine each, for every shot count
+        engine = LLMEngine.from_engine_args(replace(engine_args, enable_prefix_caching=cached))
+        for shots in shots_list:
+            prefix = translation_prefix(shots)
             if engine.model_config.is_bundled_shape:  # random weights, no tokenizer: token ids
                 n_prefix = PREFIX_TOKENS[shots]
                 rng = random.Random(shots)
                 ids = [rng.randrange(1000, 32000) for _ in range(n_prefix)]
-                prompts = [ids + [rng.randrange(1000, 32000) for _ in range(QUERY_TOKENS)]
-                           for _ in range(args.prefix_requests)]  # fmt: skip
+                prompts: list[str | list[int]] = [
+                    ids + [rng.randrange(1000, 32000) for _ in range(QUERY_TOKENS)]
+                    for _ in range(args.prefix_requests)
+                ]
             else:
                 n_prefix = len(engine.get_tokenizer()(prefix).input_ids)
+                prompts = [
+                    f"{prefix}English: {TRANSLATION_QUERIES[i % len(TRANSLATION_QUERIES)]}\nGerman:"
+                    for i in range(args.prefix_requests)
+                ]
             # warm-up (kernels, graphs); with the cache on it also primes the prefix, as a
             # server that has seen the prompt before would be
             measure(engine, [(prompts[0], sp)])
@@ -249,7 +253,7 @@ def _prefix_runs(args: argparse.Namespace, engine_args, shots_list: list[int]) -
             rows.append({"mode": f"{shots}-shot prefix, cache {'on' if cached else 'off'}",
                          "shots": shots, "prefix_cache": cached, "prefix_tokens": n_prefix,
                          **m, "output_tok_s": m["output_tokens"] / m["seconds"]})
-            del engine
+        del engine
     return rows
 
 
@@ -263,22 +267,28 @@ def run_sharing_cli(args: argparse.Namespace) -> int:
     shots_list = [int(s) for s in args.prefix_shots.split(",") if s.strip()]
     for s in shots_list:
         translation_prefix(s)  # a clear error before any run
-    engine = LLMEngine.from_engine_args(engine_args)
-    vocab = engine.model_config.hf_config.vocab_size
-    reqs = _requests(args, vocab)
-    n_in = sum(len(p) if isinstance(p, list) else 0 for p, _ in reqs)
-    print(f"model {engine.model_config.name} on {engine.device}, dataset {args.dataset}: "
-          f"{len(reqs)} requests"
-          + (f", mean prompt {n_in / len(reqs):.0f} tokens" if n_in else "")
-          + f", mean output {sum(o for _, o in reqs) / len(reqs):.0f} tokens; block size "
-          f"{args.block_size}; env {environment()}")
     rows = []
-    if not args.skip_parallel:
+    if args.skip_parallel and args.skip_beam:
+        if not shots_list:
+            raise ValueError("nothing to measure: --skip-parallel, --skip-beam and no "
+                             "--prefix-shots")
+        widths = []
+    engine = LLMEngine.from_engine_args(engine_args) if widths else None
+    vocab = engine.model_config.hf_config.vocab_size if engine else 0
+    reqs = _requests(args, vocab) if engine else []
+    if engine is not None:
+        n_in = sum(len(p) if isinstance(p, list) else 0 for p, _ in reqs)
+        print(f"model {engine.model_config.name} on {engine.device}, dataset {args.dataset}: "
+              f"{len(reqs)} requests"
+              + (f", mean prompt {n_in / len(reqs):.0f} tokens" if n_in else "")
+              + f", mean output {sum(o for _, o in reqs) / len(reqs):.0f} tokens; block size "
+              f"{args.block_size}; env {environment()}")
+    if not args.skip_parallel and engine is not None:
         for w in widths:
             rs = [(p, SamplingParams(n=w, temperature=0.8, seed=0, max_tokens=o, ignore_eos=True))
                   for p, o in reqs]
             rows.append({"mode": "parallel sampling", "width": w, **measure(engine, rs)})
-    if not args.skip_beam:
+    if not args.skip_beam and engine is not None:
         for w in widths:
             rs = [(p, SamplingParams(use_beam_search=True, best_of=w, n=1, temperature=0.0,
                                      max_tokens=o, ignore_eos=True)) for p, o in reqs]
@@ -292,7 +302,7 @@ def run_sharing_cli(args: argparse.Namespace) -> int:
         f"{'parallel' if r['mode'].startswith('parallel') else 'beam'}_{r['width']}_saving_pct":
         round(r["saving_pct"], 2) for r in rows
     }
-    if args.dataset != "builtin":
+    if args.dataset != "builtin" and rows:
         result["dataset"] = args.dataset
         result["num_prompts"] = len(reqs)
     if shots_list:
