@@ -6,7 +6,8 @@
 # (s/token) against request rate, the sustainable rate under a latency bound, the plot and both
 # logs under $OUT:
 #   serve_sweep_llama3_8b.json  .png  .log (the benchmark's output)  _server.log   env.txt
-# Run from the repository root (carry .whl: fastapi, uvicorn, pydantic... are not on that machine):
+# Run from the repository root, carrying .whl (`bash scripts/gpu_wheels.sh` makes it: fastapi,
+# uvicorn, pydantic, pyzmq, msgspec... are not on that machine):
 #   bash scripts/gpu_serve_sweep.sh
 # Every number is an environment variable (defaults below), e.g.
 #   RATES=10,20,40 NUM_PROMPTS=200 bash scripts/gpu_serve_sweep.sh

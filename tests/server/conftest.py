@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import socket
@@ -70,7 +71,9 @@ class Launch:
     headers: dict[str, str]
 
 
-def launch_server(log_path: Path, *extra: str) -> Launch:
+def launch_server(log_path: Path, *extra: str, new_session: bool = False) -> Launch:
+    """Start `pagedkv serve` (`new_session`: in a process group of its own, as a terminal's
+    foreground job is, so that a test can send Ctrl-C's SIGINT to the whole group)."""
     port = free_port()
     cmd = [
         *pagedkv_command(),
@@ -85,7 +88,9 @@ def launch_server(log_path: Path, *extra: str) -> Launch:
     ]
     log = open(log_path, "w")  # noqa: SIM115 - the child writes to it for its whole life
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
+    )
     headers = {}
     if "--api-key" in extra:
         headers["Authorization"] = f"Bearer {extra[extra.index('--api-key') + 1]}"
@@ -111,6 +116,32 @@ def wait_ready(launch: Launch) -> RunningServer:
         time.sleep(0.5)
     card = httpx.get(url + "/v1/models", headers=launch.headers, timeout=10).json()["data"][0]
     return RunningServer(url, proc, log_path, card["id"], int(card["max_model_len"]))
+
+
+def core_pid(log_text: str) -> int:
+    """The engine core's process id, from the server's log."""
+    m = re.search(r"engine core process started \(pid (\d+)\)", log_text)
+    if m is None:
+        raise AssertionError("no engine core pid in the server's log:\n" + log_text[-2000:])
+    return int(m.group(1))
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (it exited and waits to be reaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process_gone(pid):
+            return True
+        time.sleep(0.05)
+    return process_gone(pid)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> int | None:

@@ -1,5 +1,5 @@
 """--api-key: /v1/* needs `Authorization: Bearer <key>`; other paths stay open. And the
-server's shutdown on SIGTERM: exit status 0 within a few seconds."""
+server's shutdown on SIGTERM: exit status 0 within a few seconds, the engine core gone too."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import API_KEY, RunningServer
+from .conftest import API_KEY, RunningServer, core_pid, wait_gone
 
 KEY = API_KEY
 
@@ -49,6 +49,7 @@ def test_api_key_is_required_on_v1(keyed_server: RunningServer) -> None:
 @pytest.mark.slow
 def test_sigterm_shuts_down_cleanly(keyed_server: RunningServer) -> None:
     proc: subprocess.Popen = keyed_server.process
+    core = core_pid(keyed_server.log())
     # A request in flight must not keep the server from stopping.
     with (
         httpx.Client(timeout=30) as hc,
@@ -73,3 +74,4 @@ def test_sigterm_shuts_down_cleanly(keyed_server: RunningServer) -> None:
     assert code == 0, keyed_server.log()[-3000:]
     assert elapsed < 15
     assert "shutting the engine down" in keyed_server.log()
+    assert wait_gone(core, 5), "the engine core outlived the server"

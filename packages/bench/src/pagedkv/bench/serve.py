@@ -24,19 +24,39 @@ the same seeded requests (and the same arrival pattern, scaled) at each rate, on
 the paper's *normalized latency* (the mean over requests of end-to-end latency divided by output
 tokens, in s/token) against the rate, and the *sustainable rate*: the highest rate whose
 normalized latency stays within `--latency-bound` (default 0.2 s/token, see `DEFAULT_LATENCY_BOUND`).
+
+`--no-stream` sends non-streaming requests (TTFT is then the whole latency, and there is no
+ITL or TPOT).
+
+`--compare-offline --engine-args "..."` measures the serving path against the engine itself on
+the same requests and engine options, in one call: each repeat runs the offline engine
+(`python -m pagedkv.bench.throughput --dataset` on these requests), then starts the server
+(`python -m pagedkv.server`) with the same options, sends every request at once streaming and
+then non-streaming, and stops it (the order alternates between repeats). It reports the median
+output tok/s of each and their ratio, the spread over repeats, TPOT and ITL percentiles, where
+the time to first token went (the server's queue and prefill histograms), and the CPU share the
+API process and the engine core used (whether more API processes could help).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import os
 import platform
 import random
+import re
+import shlex
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +65,7 @@ from typing import Any
 
 import httpx
 
-from pagedkv.bench.env import environment
+from pagedkv.bench.env import environment, hardware
 
 #: Default bound on normalized latency for `--request-rates`, in seconds per output token.
 #: 0.2 s/token is 5 tokens/s per user over the whole request, queueing and prefill included:
@@ -93,6 +113,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    streamed: bool = True  # False: a non-streaming request (no TPOT, no ITL)
 
 
 def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
@@ -129,6 +150,8 @@ async def _one_request(
     }
     if args.ignore_eos:
         payload["ignore_eos"] = True
+    if not getattr(args, "stream", True):
+        return await _one_plain_request(client, url, payload, spec)
     result = RequestResult(prompt_len=len(spec.prompt))
     start = time.perf_counter()
     last = start
@@ -178,6 +201,32 @@ async def _one_request(
     result.ok = chunks > 0
     if not result.ok:
         result.error = "no tokens streamed"
+    return result
+
+
+async def _one_plain_request(
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any], spec: RequestSpec
+) -> RequestResult:
+    """A non-streaming request: its latency is its TTFT and E2EL; tokens from `usage`."""
+    payload = {**payload, "stream": False}
+    del payload["stream_options"]
+    result = RequestResult(prompt_len=len(spec.prompt), streamed=False)
+    start = time.perf_counter()
+    try:
+        resp = await client.post(url, json=payload)
+        if resp.status_code != 200:
+            result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return result
+        body = resp.json()
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = result.ttft = time.perf_counter() - start
+    usage = body.get("usage") or {}
+    result.output_tokens = int(usage.get("completion_tokens", 0))
+    result.ok = result.output_tokens > 0
+    if not result.ok:
+        result.error = "no tokens generated"
     return result
 
 
@@ -302,7 +351,11 @@ def _pct(values: list[float], q: float) -> float:
 def summarize(results: list[RequestResult], duration: float, model: str) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft * 1000 for r in ok]
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1000 for r in ok if r.output_tokens > 1]
+    tpots = [
+        (r.e2e - r.ttft) / (r.output_tokens - 1) * 1000
+        for r in ok
+        if r.output_tokens > 1 and r.streamed
+    ]
     itls = [x * 1000 for r in ok for x in r.itl]
     e2es = [r.e2e * 1000 for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -513,6 +566,318 @@ def plot_sweep(
     return None
 
 
+# ---- --compare-offline: the server against the engine itself, same requests, same options ---
+
+#: Server-side histograms read from /metrics around each run (sum and count of each).
+_HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+
+
+def split_engine_args(text: str) -> tuple[str | None, list[str]]:
+    """`--engine-args`: (the model, the other engine options), checked with the engine's own
+    parser; a clear `ValueError` for anything it does not take."""
+    from pagedkv.engine.arg_utils import EngineArgs
+
+    tokens = shlex.split(text)
+    parser = argparse.ArgumentParser(prog="--engine-args", add_help=False, exit_on_error=False)
+    EngineArgs.add_cli_args(parser)
+    try:
+        ns, unknown = parser.parse_known_args(tokens)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"--engine-args {text!r}: {exc}") from None
+    if unknown:
+        raise ValueError(
+            f"--engine-args: {' '.join(unknown)} is not an engine option "
+            "(see pagedkv serve --help, 'engine options')"
+        )
+    EngineArgs.from_cli_args(ns)  # every value checked here, before anything starts
+    rest: list[str] = []
+    skip = False
+    for i, tok in enumerate(tokens):
+        if skip:
+            skip = False
+            continue
+        if tok == "--model":
+            skip = i + 1 < len(tokens)
+            continue
+        if tok.startswith("--model="):
+            continue
+        rest.append(tok)
+    return ns.model, rest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc), or None."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """The _sum and _count of each of `_HISTOGRAMS` on the server's /metrics."""
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{")[0]
+        for key, metric in _HISTOGRAMS.items():
+            for part in ("sum", "count"):
+                if name == f"{metric}_{part}":
+                    out[f"{key}_{part}"] = out.get(f"{key}_{part}", 0.0) + float(value)
+    return out
+
+
+class _Server:
+    """`python -m pagedkv.server` with the engine options, on a free port, logging to a file."""
+
+    def __init__(self, model: str | None, rest: list[str], log_path: Path,
+                 start_timeout: float) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable, "-m", "pagedkv.server", *([model] if model else []), *rest,
+            "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level", "warning",
+        ]
+        self._log = open(log_path, "w")  # noqa: SIM115 - the server writes it for its life
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited with {self.proc.returncode} while starting:\n"
+                    + self.log()[-3000:]
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server was not healthy after {start_timeout:g} s:\n"
+                                   + self.log()[-3000:])
+            time.sleep(0.5)
+        m = re.search(r"engine core process started \(pid (\d+)\)", self.log())
+        self.core_pid = int(m.group(1)) if m else None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def _run_offline(model: str | None, rest: list[str], dataset: Path, num_prompts: int,
+                 folder: Path, k: int, timeout: float) -> dict[str, Any]:
+    """The offline engine on the same requests (`pagedkv bench throughput --dataset`), in a
+    process of its own, so that only one engine holds the device at a time."""
+    out = folder / f"offline_{k}.json"
+    log = folder / f"offline_{k}.log"
+    cmd = [
+        sys.executable, "-m", "pagedkv.bench.throughput", *(["--model", model] if model else []),
+        *rest, "--dataset", str(dataset), "--num-prompts", str(num_prompts),
+        "--output-json", str(out), "--log-level", "WARNING",
+    ]
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                              check=False)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"the offline run failed (exit {done.returncode}):\n"
+                           + log.read_text(errors="replace")[-3000:])
+    return json.loads(out.read_text())
+
+
+def _serve_run(server: _Server, args: argparse.Namespace, stream: bool) -> dict[str, Any]:
+    """Every request at once against `server`; the summary plus CPU shares and the server's
+    TTFT split (means over this run, from its histograms)."""
+    ns = argparse.Namespace(**{**vars(args), "base_url": server.url, "request_rate": None,
+                               "stream": stream})
+    cpu0 = (_cpu_seconds(server.proc.pid), _cpu_seconds(server.core_pid))
+    before = _scrape(server.url)
+    summary = asyncio.run(run_benchmark(ns))
+    after = _scrape(server.url)
+    cpu1 = (_cpu_seconds(server.proc.pid), _cpu_seconds(server.core_pid))
+    wall = summary["duration_s"]
+    for name, a, b in (("frontend", cpu0[0], cpu1[0]), ("core", cpu0[1], cpu1[1])):
+        if a is not None and b is not None and wall > 0:
+            summary[f"{name}_cpu_fraction"] = (b - a) / wall
+    for key in _HISTOGRAMS:
+        n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
+        if n > 0:
+            total = after.get(f"{key}_sum", 0.0) - before.get(f"{key}_sum", 0.0)
+            summary[f"server_mean_{key}_ms"] = total / n * 1000
+    return summary
+
+
+def _warm_server(server: _Server, args: argparse.Namespace) -> None:
+    async def go() -> None:
+        async with _client(args) as client:
+            model = await _model_name(client, server.url, args)
+            await _warm_up(client, server.url + args.endpoint, args, model, make_requests(args))
+
+    asyncio.run(go())
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_compare_offline(
+    args: argparse.Namespace, on_repeat: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """See the module docstring; returns the result. `on_repeat(result so far)` after each
+    repeat."""
+    model, rest = split_engine_args(args.engine_args)
+    specs = make_requests(args)
+    folder = Path(tempfile.mkdtemp(prefix="pagedkv-compare-"))
+    dataset = folder / "requests.json"
+    dataset.write_text(json.dumps(
+        [{"prompt_token_ids": s.prompt, "output_len": s.output_len} for s in specs]
+    ))
+    offline: list[dict[str, Any]] = []
+    streamed: list[dict[str, Any]] = []
+    plain: list[dict[str, Any]] = []
+
+    def serve(k: int) -> None:
+        server = _Server(model, rest, folder / f"server_{k}.log", args.server_start_timeout)
+        try:
+            if args.warmup_requests:
+                _warm_server(server, args)
+            for stream in ((True, False) if k % 2 == 0 else (False, True)):
+                summary = _serve_run(server, args, stream)
+                (streamed if stream else plain).append(summary)
+                print(f"  repeat {k + 1}: server, {'streaming' if stream else 'non-streaming'}: "
+                      f"{summary['output_throughput']:.1f} output tok/s "
+                      f"({summary['completed']} ok, {summary['failed']} failed)", flush=True)
+        finally:
+            server.stop()
+
+    result: dict[str, Any] = {}
+    for k in range(args.repeats):
+        steps = ("offline", "serve") if k % 2 == 0 else ("serve", "offline")
+        for step in steps:
+            if step == "serve":
+                serve(k)
+            else:
+                run = _run_offline(model, rest, dataset, len(specs), folder, k,
+                                   args.offline_timeout)
+                offline.append(run)
+                print(f"  repeat {k + 1}: offline engine: {run['output_tok_s']:.1f} output "
+                      "tok/s", flush=True)
+        result = _compare_result(args, specs, offline, streamed, plain)
+        result["partial"] = k + 1 < args.repeats
+        if on_repeat is not None:
+            on_repeat(result)  # a run cut short keeps the repeats it finished
+    return result
+
+
+def _compare_result(args: argparse.Namespace, specs: list[RequestSpec],
+                    offline: list[dict[str, Any]], streamed: list[dict[str, Any]],
+                    plain: list[dict[str, Any]]) -> dict[str, Any]:
+    off = [r["output_tok_s"] for r in offline]
+    st = [r["output_throughput"] for r in streamed]
+    ns_ = [r["output_throughput"] for r in plain]
+    # The streaming run of median throughput gives the latency figures.
+    mid = sorted(streamed, key=lambda r: r["output_throughput"])[len(streamed) // 2]
+    result: dict[str, Any] = {
+        "benchmark": "pagedkv bench serve --compare-offline",
+        "model": mid["model"],
+        "workload": args.workload,
+        "num_prompts": len(specs),
+        "total_input_tokens": sum(len(s.prompt) for s in specs),
+        "total_output_tokens": sum(s.output_len for s in specs),
+        "engine_args": args.engine_args,
+        "repeats": len(off),
+        "offline_output_tok_s": statistics.median(off),
+        "serve_output_tok_s": statistics.median(st),
+        "serve_over_offline": statistics.median(st) / statistics.median(off),
+        "serve_nonstream_output_tok_s": statistics.median(ns_),
+        "serve_nonstream_over_offline": statistics.median(ns_) / statistics.median(off),
+        "spread": {
+            "offline_output_tok_s": _spread(off),
+            "serve_output_tok_s": _spread(st),
+            "serve_nonstream_output_tok_s": _spread(ns_),
+            "serve_over_offline_per_repeat": [s / o for s, o in zip(st, off)],
+            "serve_nonstream_over_offline_per_repeat": [s / o for s, o in zip(ns_, off)],
+        },
+        "runs": {"offline": off, "serve": st, "serve_nonstream": ns_},
+    }
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            result[f"{stat}_{key}_ms"] = mid[f"{stat}_{key}_ms"]
+    result["failed"] = sum(r["failed"] for r in streamed + plain)
+    split = {k: mid[f"server_mean_{k}_ms"] for k in _HISTOGRAMS if f"server_mean_{k}_ms" in mid}
+    if {"ttft", "queue", "prefill"} <= split.keys():
+        split["other_ms"] = split["ttft"] - split["queue"] - split["prefill"]
+    result["ttft_split_ms"] = split
+    for name in ("frontend", "core"):
+        values = [r[f"{name}_cpu_fraction"] for r in streamed if f"{name}_cpu_fraction" in r]
+        if values:
+            result[f"{name}_cpu_fraction"] = statistics.median(values)
+    for key in ("decode_step_ms", "decode_step_bound_ms", "num_gpu_blocks", "max_num_seqs"):
+        if key in offline[0]:
+            result[f"offline_{key}"] = statistics.median(r[key] for r in offline)
+    env = environment()
+    offline_env = offline[0].get("env") or {}
+    result.update({"hardware": offline_env.get("gpu") or hardware(), "commit": env["commit"],
+                   "command": env["command"], "env": env, "offline_env": offline_env})
+    return result
+
+
+def format_compare(r: dict[str, Any]) -> str:
+    sp = r["spread"]
+    lines = [
+        "{s:{c}^72}".format(s=" Server vs offline engine (same requests, same options) ", c="="),
+        f"{'':<28}{'median':>12}{'min':>12}{'max':>12}",
+    ]
+    for label, key in (("offline engine tok/s", "offline_output_tok_s"),
+                       ("server, streaming tok/s", "serve_output_tok_s"),
+                       ("server, non-streaming tok/s", "serve_nonstream_output_tok_s")):
+        d = sp[key]
+        lines.append(f"{label:<28}{d['median']:>12.1f}{d['min']:>12.1f}{d['max']:>12.1f}")
+    lines.append(f"server / offline: streaming {r['serve_over_offline']:.3f}, non-streaming "
+                 f"{r['serve_nonstream_over_offline']:.3f} (ratio of medians over "
+                 f"{r['repeats']} interleaved repeats)")
+    lines.append(f"streaming run of median throughput: TTFT mean {r['mean_ttft_ms']:.0f} ms, "
+                 f"TPOT median {r['median_tpot_ms']:.1f} / P99 {r['p99_tpot_ms']:.1f} ms, "
+                 f"ITL median {r['median_itl_ms']:.1f} / P99 {r['p99_itl_ms']:.1f} ms")
+    split = r.get("ttft_split_ms") or {}
+    if "other_ms" in split:
+        lines.append(f"server TTFT {split['ttft']:.0f} ms = queued in the core "
+                     f"{split['queue']:.0f} + prefill {split['prefill']:.0f} + intake and hops "
+                     f"{split['other_ms']:.0f} (means)")
+    if "frontend_cpu_fraction" in r:
+        lines.append(f"CPU used while streaming: API process {r['frontend_cpu_fraction']:.2f} "
+                     f"core(s), engine core {r.get('core_cpu_fraction', float('nan')):.2f}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
 def parse_rates(text: str) -> list[float]:
     """`1,2,4.5` -> [1.0, 2.0, 4.5], ascending, each once; a clear error otherwise."""
     rates: list[float] = []
@@ -602,6 +967,12 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not send ignore_eos (outputs may then end early)",
     )
+    parser.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="non-streaming requests (TTFT is the whole latency; no TPOT or ITL)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument(
         "--result-json",
@@ -652,6 +1023,38 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATH.png",
         help="draw normalized latency against request rate, the bound as a line (matplotlib)",
     )
+    c = parser.add_argument_group(
+        "server vs offline engine",
+        "start the server here and compare it with the offline engine on the same requests",
+    )
+    c.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="run the offline engine and the server (streaming, then non-streaming, all "
+        "requests at once) with --engine-args, --repeats times, interleaved",
+    )
+    c.add_argument(
+        "--engine-args",
+        default="",
+        metavar="'OPTIONS'",
+        help="engine options for both, as pagedkv serve takes them (quoted), e.g. "
+        "\"--model meta-llama/Meta-Llama-3-8B --load-format dummy --max-num-seqs 1024\"",
+    )
+    c.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
+    c.add_argument(
+        "--server-start-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds the server may take to become healthy (default 600)",
+    )
+    c.add_argument(
+        "--offline-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="seconds an offline run may take (default 1800)",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -677,6 +1080,15 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--pause-between-rates must be >= 0 seconds")
     if args.warmup_requests < 0:
         raise ValueError("--warmup-requests must be >= 0")
+    if args.compare_offline:
+        if args.request_rates is not None or args.request_rate is not None:
+            raise ValueError("--compare-offline sends every request at once: drop "
+                             "--request-rate / --request-rates")
+        if args.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        split_engine_args(args.engine_args)  # a clear error before anything starts
+    elif args.engine_args:
+        raise ValueError("--engine-args goes with --compare-offline")
     if args.workload != "random":
         from pagedkv.bench.workloads import sample_lengths
 
@@ -785,10 +1197,30 @@ def _run_sweep_cli(args: argparse.Namespace) -> int:
     return 0 if any(s["completed"] > 0 for s in per_rate) else 1
 
 
+def _run_compare_cli(args: argparse.Namespace) -> int:
+    print(f"  compare with the offline engine: engine options {args.engine_args!r}, "
+          f"{args.repeats} repeats, warm-up requests: {args.warmup_requests}", flush=True)
+    setup = _setup(args)
+
+    def save(result: dict[str, Any]) -> None:
+        if args.result_json:
+            _write_json(args.result_json, {"setup": setup, **result})
+
+    result = run_compare_offline(args, on_repeat=save)
+    print(format_compare(result))
+    if args.result_json:
+        print(f"  results: {args.result_json}")
+    print(json.dumps(_json_ready({k: v for k, v in result.items() if k not in ("env",
+                                                                                 "offline_env")})))
+    return 0 if result["failed"] == 0 else 1
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     _check(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     _print_header(args)
+    if args.compare_offline:
+        return _run_compare_cli(args)
     if args.request_rates is not None:
         return _run_sweep_cli(args)
     summary = asyncio.run(run_benchmark(args))

@@ -23,7 +23,7 @@ _EXPORTS = {
     "LLMEngine": "pagedkv.engine.llm_engine",
     "EngineStats": "pagedkv.engine.llm_engine",
     "AsyncLLMEngine": "pagedkv.engine.async_engine",
-    "EngineDeadError": "pagedkv.engine.async_engine",
+    "EngineDeadError": "pagedkv.engine.core.client",
     "EngineArgs": "pagedkv.engine.arg_utils",
     "SamplingParams": "pagedkv.engine.sampling_params",
     "SamplingType": "pagedkv.engine.sampling_params",

@@ -57,6 +57,20 @@ class EngineStats:
     num_cpu_blocks: int = 0
 
 
+def load_tokenizer(args: EngineArgs, model_config: ModelConfig):
+    """The tokenizer, or None when the engine runs on token ids only (`skip_tokenizer_init`,
+    or a bundled shape-only config, which has no tokenizer). The API process of a server loads
+    its own with this, exactly as the engine core does."""
+    if args.skip_tokenizer_init or (model_config.is_bundled_shape and not args.tokenizer):
+        logger.info("no tokenizer: prompts must be token ids and outputs carry token ids only")
+        return None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    return model_config.get_tokenizer()
+
+
 class LLMEngine:
     """One model, one KV cache, one scheduler; `step()` runs one iteration."""
 
@@ -120,17 +134,7 @@ class LLMEngine:
         return cls(args)
 
     def _load_tokenizer(self):
-        """The tokenizer, or None when the engine runs on token ids only (`skip_tokenizer_init`,
-        or a bundled shape-only config, which has no tokenizer)."""
-        args = self.args
-        if args.skip_tokenizer_init or (self.model_config.is_bundled_shape and not args.tokenizer):
-            logger.info("no tokenizer: prompts must be token ids and outputs carry token ids only")
-            return None
-        if args.tokenizer:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(args.tokenizer)
-        return self.model_config.get_tokenizer()
+        return load_tokenizer(self.args, self.model_config)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer, or None when the engine runs on token ids only."""
@@ -322,7 +326,7 @@ class LLMEngine:
             self.scheduler.abort(rid)
         self.scheduler.update(out, {})
 
-    def observe(self, out, samples, update, results, **timings: float) -> None:
+    def observe(self, out, samples, update, results, /, **timings: float) -> None:
         """Tell the step observers what the step did (a `StepRecord`)."""
         self._num_steps += 1
         sched = self.scheduler

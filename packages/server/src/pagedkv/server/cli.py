@@ -1,12 +1,18 @@
-"""`pagedkv serve [MODEL]`: start the engine and serve it over HTTP with uvicorn.
+"""`pagedkv serve [MODEL]`: start the engine core and serve it over HTTP with uvicorn.
 
 The engine's CLI finds this through the entry point group `pagedkv.subcommands`
 (`serve = "pagedkv.server.cli:register"`); `python -m pagedkv.server` runs the same parser.
 
-Shutdown: SIGTERM or Ctrl-C makes uvicorn stop accepting connections and finish (or, after a
-few seconds, drop) the requests in flight; then the engine is shut down and the process exits
-with status 0. uvicorn's own signal handling re-raises the signal after its shutdown (exit
-status 143 for SIGTERM); we keep the graceful part and drop the re-raise.
+Two processes: this one (HTTP, tokenization, detokenization, SSE) and the engine core
+(`python -m pagedkv.engine.core`: scheduler, model runner and step loop), which this one starts
+and which never outlives it.
+
+Shutdown: SIGTERM or Ctrl-C makes uvicorn stop accepting connections and let the requests in
+flight finish (the engine core keeps running them) for up to `--graceful-shutdown-timeout`
+seconds; then the engine core is stopped and the process exits with status 0. uvicorn's own
+signal handling re-raises the signal after its shutdown (exit status 143 for SIGTERM); we keep
+the graceful part and drop the re-raise. If the engine core dies, /health answers 503, every
+request in flight ends with an error at once, and the server stops with exit status 1.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -125,7 +132,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     logger.info("loading the engine (model: %s)", engine_args.model or "embedded default")
+    # Starts the engine core process and waits until it has loaded the model.
     engine = AsyncLLMEngine.from_engine_args(engine_args)
+    died: list[BaseException] = []
     try:
         names = args.served_model_name or [_model_name(engine, args)]
         app = build_app(
@@ -144,6 +153,18 @@ async def _serve(args: argparse.Namespace) -> int:
             lifespan="off",
         )
         server = _Server(config)
+        # What is alive now (the app, the tokenizer, imported modules) lives as long as the
+        # server: frozen out of the cyclic GC, whose full passes would otherwise walk it while
+        # hundreds of streams wait (the engine core does the same with its own objects).
+        gc.collect()
+        gc.freeze()
+
+        def on_dead(exc: BaseException) -> None:
+            died.append(exc)
+            logger.error("stopping the server: %s", exc)
+            server.should_exit = True
+
+        engine.on_dead = on_dead
         shown = f"[{args.host}]" if ":" in args.host else args.host
         logger.info(
             "pagedkv server for %s on http://%s:%d (OpenAI API at http://%s:%d/v1%s)",
@@ -158,7 +179,7 @@ async def _serve(args: argparse.Namespace) -> int:
         if not server.started:
             logger.error("the server did not start (is port %d free?)", args.port)
             return 1
-        return 0
+        return 1 if died else 0
     finally:
         logger.info("shutting the engine down")
         engine.shutdown()

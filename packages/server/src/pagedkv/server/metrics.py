@@ -5,7 +5,8 @@ Two sources:
   collector: running / waiting / swapped requests, KV cache usage, preemptions, prompt and
   generation tokens, prefix-cache queries and hits;
 - per-request latencies that only the server sees, as histograms: time to first token, time per
-  output token, end-to-end latency.
+  output token, end-to-end latency, and the parts of the time to first token spent queued in
+  the engine core and in prefill.
 
 Every app gets its own `CollectorRegistry`, so two apps in one process (tests) never share or
 collide on metrics.
@@ -214,6 +215,20 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time a request waited in the engine core's queue before its first scheduling.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds",
+            "Time from a request's first scheduling to its first token reaching the server.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
         self.request_aborted = Counter(
             PREFIX + "request_aborted",
             "Requests aborted because the client went away.",
@@ -235,3 +250,17 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         for reason in finish_reasons:
             self.request_success.labels(self.model_name, reason or "unknown").inc()
+
+    def observe_scheduling(self, metrics: Any) -> None:
+        """Where a finished request's time to first token went, from the engine's
+        `RequestMetrics`: queueing in the engine core, then prefill (the rest of the time to
+        first token is the server's own intake and the hop to the core)."""
+        if metrics is None:
+            return
+        queued = getattr(metrics, "time_in_queue", None)
+        scheduled = getattr(metrics, "first_scheduled_time", None)
+        first = getattr(metrics, "first_token_time", None)
+        if queued is not None:
+            self.queue_time.observe(max(0.0, queued))
+        if scheduled is not None and first is not None:
+            self.prefill_time.observe(max(0.0, first - scheduled))

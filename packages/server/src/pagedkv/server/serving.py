@@ -4,11 +4,15 @@ Everything a user can get wrong is checked here, before the engine sees the requ
 model name, the prompt (empty, out-of-vocabulary token ids, longer than the context), and
 every sampling value (the engine's `SamplingParams` validates them and its `ValueError` becomes
 a 400). The engine loop must never die of a user's input.
+
+Streams ask the engine for *delta* outputs (what is new since the stream last ran: a client
+that falls behind gets bigger chunks, never a queue), non-streaming requests for the final
+output only. Each streamed chunk is built as a plain dict and encoded by msgspec: per-token
+work for hundreds of streams is what this process spends its time on, so it stays lean.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 from pagedkv.engine import SamplingParams
@@ -31,14 +36,12 @@ from pagedkv.server.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
-    ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    DeltaMessage,
     TopLogprob,
     UsageInfo,
 )
@@ -75,6 +78,18 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
+_JSON = msgspec.json.Encoder()
+
+
+def sse_json(data: dict[str, Any]) -> bytes:
+    """`sse` for a chunk on the hot path: the same event, encoded by msgspec (compact JSON)."""
+    return b"data: " + _JSON.encode(data) + b"\n\n"
+
+
+def _stop_reason(finish: str | None, stop_reason: Any) -> int | str | None:
+    return stop_reason if finish is not None and isinstance(stop_reason, int | str) else None
+
+
 @dataclass(slots=True)
 class PreparedPrompt:
     text: str | None  # what the user sent, when it was text (for echo)
@@ -107,18 +122,11 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
-        shared = engine.get_tokenizer()
-        self.tokenizer: Any = None
-        if shared is None:
+        # The engine's own (API-process) tokenizer: it tokenizes and detokenizes on this event
+        # loop's thread only, as we do, so sharing it is safe.
+        self.tokenizer: Any = engine.get_tokenizer()
+        if self.tokenizer is None:
             logger.info("the engine has no tokenizer: serving token-id prompts only")
-        else:
-            # A private copy: Hugging Face fast tokenizers are not safe to use from two threads
-            # at once, and the engine thread detokenizes while we tokenize on the event loop.
-            try:
-                self.tokenizer = copy.deepcopy(shared)
-            except Exception:  # pragma: no cover - a tokenizer that cannot be copied
-                logger.warning("could not copy the tokenizer; sharing the engine's")
-                self.tokenizer = shared
         config = engine.model_config
         self.max_model_len = int(config.max_model_len)
         vocab = getattr(config, "vocab_size", None)
@@ -285,25 +293,41 @@ class OpenAIServing:
 
     # ---- engine streams --------------------------------------------------------------------
     async def tracked(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, kind: str
     ) -> AsyncIterator[Any]:
-        """The engine's stream for one prompt, recording latency metrics; closing it aborts."""
+        """The engine's stream for one prompt (`kind`: "delta" or "final" outputs), recording
+        latency metrics; closing it aborts the request."""
         start = time.monotonic()
         first_token: float | None = None
         finished = False
-        gen = self.engine.generate(prompt_ids, params, request_id)
+        num_tokens: dict[int, int] = {}
+        reasons: dict[int, str | None] = {}
+        gen = self.engine.generate(prompt_ids, params, request_id, output_kind=kind)
         try:
             async for out in gen:
                 if first_token is None and any(o.token_ids for o in out.outputs):
                     first_token = time.monotonic() - start
+                for o in out.outputs:
+                    if kind == "delta":
+                        num_tokens[o.index] = num_tokens.get(o.index, 0) + len(o.token_ids)
+                    else:
+                        num_tokens[o.index] = len(o.token_ids)
+                    if o.finish_reason is not None or o.index not in reasons:
+                        reasons[o.index] = o.finish_reason
                 if out.finished:
                     finished = True
+                    m = out.metrics
+                    if m is not None and m.first_token_time is not None:
+                        # when the first token reached this process (a final-only stream
+                        # sees its tokens only at the end)
+                        first_token = m.first_token_time - m.arrival_time
                     self.metrics.observe_finished(
                         first_token,
                         time.monotonic() - start,
-                        max((len(o.token_ids) for o in out.outputs), default=0),
-                        (o.finish_reason for o in out.outputs),
+                        max(num_tokens.values(), default=0),
+                        reasons.values(),
                     )
+                    self.metrics.observe_scheduling(m)
                 yield out
         finally:
             if not finished:
@@ -334,7 +358,8 @@ class OpenAIServing:
         try:
             for i, p in enumerate(prompts):
                 rid = f"{request_id}-{i}" if suffix else request_id
-                started.append(await start_stream(self.tracked(p.token_ids, params, rid)))
+                stream = self.tracked(p.token_ids, params, rid, "delta")
+                started.append(await start_stream(stream))
         except Exception as exc:
             for it in started:
                 await aclose_quietly(it)
@@ -348,7 +373,8 @@ class OpenAIServing:
         self, prompts: list[PreparedPrompt], params: SamplingParams, request_id: str
     ) -> list[Any]:
         streams = [
-            self.tracked(p.token_ids, params, f"{request_id}-{i}") for i, p in enumerate(prompts)
+            self.tracked(p.token_ids, params, f"{request_id}-{i}", "final")
+            for i, p in enumerate(prompts)
         ]
         finals: list[Any] = [None] * len(prompts)
         async for i, out in merge_streams(streams):
@@ -533,22 +559,26 @@ class OpenAIServing:
         request_id: str,
         created: int,
         streams: list[AsyncIterator[Any]],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | bytes]:
         n = params.n
         want_ids = self.returns_token_ids(req)
         states: dict[int, _ChoiceState] = {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens: dict[int, int] = {}
         merged = merge_streams(streams)
+        # The chunk's fields in CompletionStreamResponse's order (`usage` only when asked).
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         try:
             async for i, out in merged:
-                for o in out.outputs:
+                for o in out.outputs:  # delta outputs: only the choices with something new
                     index = i * n + o.index
-                    st = states.setdefault(index, _ChoiceState())
+                    st = states.get(index)
+                    if st is None:
+                        st = states[index] = _ChoiceState()
                     if st.finished:
                         continue
-                    text = o.text[st.text_len :] if len(o.text) >= st.text_len else ""
-                    new_ids = o.token_ids[st.num_tokens :]
+                    text = o.text
+                    new_ids = o.token_ids
                     finish = o.finish_reason
                     if not text and not new_ids and finish is None and st.started:
                         continue
@@ -561,44 +591,35 @@ class OpenAIServing:
                     if req.logprobs is not None:
                         lp = self.completion_logprobs(
                             new_ids,
-                            o.logprobs[st.num_tokens :] if o.logprobs else None,
+                            o.logprobs,
                             req.logprobs,
                             st.prefix_len + st.text_len,
                             echo_prompt=prompts[i] if req.echo and first else None,
                             prompt_logprobs=getattr(out, "prompt_logprobs", None),
-                        )
+                        ).model_dump(mode="json")
                     st.started = True
                     st.text_len += len(text)
-                    st.num_tokens = len(o.token_ids)
-                    completion_tokens[index] = len(o.token_ids)
+                    st.num_tokens += len(new_ids)
+                    completion_tokens[index] = st.num_tokens
                     if finish is not None:
                         st.finished = True
-                    chunk = CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=model,
-                        choices=[
-                            CompletionChoice(
-                                index=index,
-                                text=prefix + text,
-                                logprobs=lp,
-                                finish_reason=_FINISH_REASONS.get(finish or "", finish),
-                                stop_reason=o.stop_reason
-                                if finish is not None and isinstance(o.stop_reason, int | str)
-                                else None,
-                                # like vLLM: the prompt's ids in each choice's first chunk
-                                prompt_token_ids=list(prompts[i].token_ids)
-                                if want_ids and first
-                                else None,
-                                token_ids=list(new_ids) if want_ids else None,
-                            )
-                        ],
-                    )
-                    yield sse(
-                        chunk.model_dump(
-                            mode="json", exclude={"usage"} if not include_usage else set()
-                        )
-                    )
+                    choice = {
+                        "index": index,
+                        "text": prefix + text,
+                        "logprobs": lp,
+                        "finish_reason": _FINISH_REASONS.get(finish or "", finish),
+                        "stop_reason": _stop_reason(finish, o.stop_reason),
+                        # like vLLM: the prompt's ids in each choice's first chunk
+                        "prompt_token_ids": list(prompts[i].token_ids)
+                        if want_ids and first
+                        else None,
+                        "token_ids": list(new_ids) if want_ids else None,
+                    }
+                    chunk = {**head, "choices": [choice]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    chunk["system_fingerprint"] = None
+                    yield sse_json(chunk)
             if include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 done = sum(completion_tokens.values())
@@ -716,58 +737,68 @@ class OpenAIServing:
         created: int,
         num_top: int,
         stream: AsyncIterator[Any],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         states: dict[int, _ChoiceState] = {}
         completion_tokens: dict[int, int] = {}
-        exclude = set() if include_usage else {"usage"}
+        # The chunk's fields in ChatCompletionStreamResponse's order (`usage` only when asked).
+        head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
 
-        def chunk(choice: ChatStreamChoice) -> str:
-            body = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=[choice]
-            )
-            return sse(body.model_dump(mode="json", exclude=exclude))
+        def chunk(choice: dict[str, Any]) -> bytes:
+            body = {**head, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            body["system_fingerprint"] = None
+            return sse_json(body)
 
         try:
             async for out in stream:
-                for o in out.outputs:
-                    st = states.setdefault(o.index, _ChoiceState())
+                for o in out.outputs:  # delta outputs: only the choices with something new
+                    st = states.get(o.index)
+                    if st is None:
+                        st = states[o.index] = _ChoiceState()
                     if st.finished:
                         continue
                     if not st.started:
                         st.started = True
                         yield chunk(
-                            ChatStreamChoice(
-                                index=o.index, delta=DeltaMessage(role="assistant", content="")
-                            )
+                            {
+                                "index": o.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                                "stop_reason": None,
+                            }
                         )
-                    text = o.text[st.text_len :] if len(o.text) >= st.text_len else ""
-                    new_ids = o.token_ids[st.num_tokens :]
+                    text = o.text
+                    new_ids = o.token_ids
                     finish = o.finish_reason
                     if not text and not new_ids and finish is None:
                         continue
                     lp = None
                     if req.logprobs:
-                        lp = self.chat_logprobs(
-                            new_ids, o.logprobs[st.num_tokens :] if o.logprobs else None, num_top
+                        lp = self.chat_logprobs(new_ids, o.logprobs, num_top).model_dump(
+                            mode="json"
                         )
                     st.text_len += len(text)
-                    st.num_tokens = len(o.token_ids)
-                    completion_tokens[o.index] = len(o.token_ids)
+                    st.num_tokens += len(new_ids)
+                    completion_tokens[o.index] = st.num_tokens
                     if finish is not None:
                         st.finished = True
+                    content = text if text or finish is None else None
                     yield chunk(
-                        ChatStreamChoice(
-                            index=o.index,
-                            delta=DeltaMessage(content=text)
-                            if text or finish is None
-                            else DeltaMessage(),
-                            logprobs=lp,
-                            finish_reason=_FINISH_REASONS.get(finish or "", finish),
-                            stop_reason=o.stop_reason
-                            if finish is not None and isinstance(o.stop_reason, int | str)
-                            else None,
-                        )
+                        {
+                            "index": o.index,
+                            "delta": {"role": None, "content": content},
+                            "logprobs": lp,
+                            "finish_reason": _FINISH_REASONS.get(finish or "", finish),
+                            "stop_reason": _stop_reason(finish, o.stop_reason),
+                        }
                     )
             if include_usage:
                 done = sum(completion_tokens.values())
