@@ -72,4 +72,6 @@ def test_seeded_requests_under_kv_pressure_equal_one_at_a_time(embedded_model, m
         torch.set_num_threads(threads)
     same = sum(a == b for a, b in zip(alone, together))
     assert same == len(PROMPTS), f"{same}/{len(PROMPTS)} requests identical"
-    assert all(len({tuple(t) for t in toks}) > 1 for toks in alone)  # the 4 samples differ
+    # Sanity: the seeds matter (the 4 samples of the plain requests differ; a strong logit bias
+    # or penalties may legitimately make a request's samples agree).
+    assert all(len({tuple(t) for t in toks}) > 1 for toks in alone[::4])
