@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.experiment == "prepare":
         result = prepare(args)
-        Path(args.output_json or "sharegpt_requests.json").write_text(json.dumps(result))
+        path = Path(args.output_json or "sharegpt_requests.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))
         print(f"{len(result['requests'])} requests written to "
               f"{args.output_json or 'sharegpt_requests.json'}")
         return 0
