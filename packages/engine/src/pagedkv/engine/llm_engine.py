@@ -303,16 +303,19 @@ class LLMEngine:
             self.scheduler.abort(rid)
         self.scheduler.update(out, {})
 
-    def observe(self, out, samples, update, results, /, **timings: float) -> None:
+    def observe(self, out, samples, update, results, /, *, tables=None, **timings: float) -> None:
         """Tell the step observers what the step did (a `StepRecord`). The first four are
-        positional-only: the timings have the phases' names, `update` among them."""
+        positional-only: the timings have the phases' names, `update` among them. `tables`:
+        the scheduled sequences' block tables as the step launched with them (asynchronous
+        scheduling has grown kvblocks' lists for the next step by now); None: read them now."""
         self._num_steps += 1
         sched = self.scheduler
         record = StepRecord(
             step=self._num_steps,
             scheduled=tuple(ScheduledSeq(ss.seq_id, ss.request_id, ss.start, ss.num_tokens,
-                                         ss.is_prefill, ss.do_sample, tuple(ss.block_table))
-                            for ss in out.scheduled),
+                                         ss.is_prefill, ss.do_sample,
+                                         tables[i] if tables is not None else tuple(ss.block_table))
+                            for i, ss in enumerate(out.scheduled)),
             blocks_to_swap_out=tuple(out.blocks_to_swap_out),
             blocks_to_swap_in=tuple(out.blocks_to_swap_in),
             blocks_to_copy=tuple(out.blocks_to_copy),

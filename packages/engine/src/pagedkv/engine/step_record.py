@@ -63,7 +63,8 @@ class StepRecord:
     num_free_cpu_blocks: int = 0  # CPU (swap) blocks free after the step
     num_cpu_blocks: int = 0
     # After the step, running then swapped groups in arrival order; filled only when an observer
-    # asked for it (`add_step_observer(fn, block_tables=True)`), else empty.
+    # asked for it (`add_step_observer(fn, block_tables=True)`), else empty. With asynchronous
+    # scheduling the next step is already scheduled then: its slots are counted.
     block_tables: tuple[SeqBlocks, ...] = ()
 
     @property
