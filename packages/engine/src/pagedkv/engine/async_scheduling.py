@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.distributed.executor import TensorParallelError
 from pagedkv.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class AsyncScheduling:
             try:
                 tables = [tuple(ss.block_table) for ss in out.scheduled] if engine.observed else None
                 self.in_flight = (out, engine.runner.execute_async(out), tables)
+            except TensorParallelError as exc:  # a rank died: no step can run any more
+                engine.fail(exc)
+                raise
             except Exception:
                 if prev is not None:
                     results += self._apply(prev)
@@ -79,7 +83,11 @@ class AsyncScheduling:
         engine = self.engine
         out, launched, tables = in_flight
         t0 = time.perf_counter()
-        result = launched.result()
+        try:
+            result = launched.result()
+        except TensorParallelError as exc:
+            engine.fail(exc)
+            raise
         samples = result.sampled_token_ids
         t1 = time.perf_counter()
         update = engine.scheduler.update(out, samples)

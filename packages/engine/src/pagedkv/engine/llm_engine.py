@@ -31,7 +31,7 @@ from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput, RunnerOutput
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.step_record import ScheduledSeq, SeqBlocks, StepRecord
-from pagedkv.engine.worker.model_runner import ModelRunner, resolve_device
+from pagedkv.engine.worker.model_runner import resolve_device
 from pagedkv.scheduler import AsyncScheduler, RequestParams, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -72,11 +72,11 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         # tensor_parallel_size 1: a ModelRunner; more: rank 0 of a tensor-parallel group
         self.runner = make_runner(mc, args, self.device, model=model)
-        # Asynchronous scheduling: only with a runner of this process (not tensor-parallel).
+        # Asynchronous scheduling: on by default on a GPU, with one rank or several (a
+        # tensor-parallel group computes the argmax on every rank, see distributed.executor).
         use_async = args.async_scheduling
         if use_async is None:
             use_async = self.device.type == "cuda"
-        use_async = use_async and isinstance(self.runner, ModelRunner)
         self.scheduler = (AsyncScheduler if use_async else Scheduler)(SchedulerConfig(
             block_size=args.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
@@ -95,7 +95,7 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=mc.vocab_size, max_model_len=mc.max_model_len,
             kv_capacity=self.runner.num_gpu_blocks * args.block_size,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs, eos_token_ids=self.eos_token_ids,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                        self.scheduler.finish_sequence)
@@ -154,10 +154,39 @@ class LLMEngine:
         if shutdown is not None:
             shutdown()
 
+    @property
+    def is_healthy(self) -> bool:
+        """Whether the engine can run another step. False for good once a tensor-parallel
+        rank is gone: noticed at once (a monitor thread watches the workers), also while no
+        request runs. Cheap; safe to read from any thread (a server's /health)."""
+        try:
+            self.check_health()
+        except TensorParallelError:
+            return False
+        return True
+
+    def check_health(self) -> None:
+        """Raise `TensorParallelError`, naming the rank that died, when the engine cannot run
+        another step; return quietly otherwise. Safe to call from any thread."""
+        if self._fatal is not None:
+            raise self._fatal
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def fail(self, exc: TensorParallelError) -> None:
+        """Stop the engine for good (a tensor-parallel rank died): every later step raises
+        `exc`."""
+        self._fatal = exc
+
     # ---- requests ---------------------------------------------------------------------------
     def prepare_request(self, prompt: str | Sequence[int], params: SamplingParams) -> PreparedRequest:
         """Validate and tokenize a request without queueing it; raises `ValueError` naming the
         problem and changes nothing (see `input_processor`)."""
+        if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+                and self.args.tensor_parallel_size > 1):
+            raise ValueError("prompt_logprobs is not supported with tensor parallelism yet; "
+                             "run with --tensor-parallel-size 1")
         return self.inputs.prepare(prompt, params)
 
     def add_request(
@@ -184,6 +213,11 @@ class LLMEngine:
         eos = self._primary_eos
         stop_ids = list(p.stop_token_ids or ())
         stop_ids += [t for t in self.eos_token_ids if t != eos and not p.ignore_eos]
+        # Prompt logprobs need the logits of every prompt position: such a request takes no
+        # cached prefix (a key of its own keeps its blocks apart), as in vLLM.
+        extra_key = None
+        if p.prompt_logprobs is not None and self.args.enable_prefix_caching:
+            extra_key = ("prompt_logprobs", request_id)
         group = self.scheduler.add_request(request_id, prep.prompt_token_ids, RequestParams(
             n=p.beam_width if p.use_beam_search else p.best_of,
             max_tokens=prep.max_tokens,
@@ -191,7 +225,7 @@ class LLMEngine:
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
             eos_token_id=eos,
             ignore_eos=p.ignore_eos,
-        ))
+        ), extra_key=extra_key)
         group.sampling = prep.sampling  # read by the runner, never by the scheduler
         self.outputs.add(request_id, prep, group,
                          arrival_time if arrival_time is not None else time.time())
@@ -251,7 +285,7 @@ class LLMEngine:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; the `RequestOutput`s of the requests it touched (finished ones,
+        """Run one iteration; the `RequestOutput` of each request it touched (finished ones,
         and with `emit_partial_outputs` the running ones, cumulatively)."""
         if self._fatal is not None:
             raise self._fatal
@@ -290,7 +324,7 @@ class LLMEngine:
         try:
             return self.runner.execute(out)
         except TensorParallelError as exc:
-            self._fatal = exc
+            self.fail(exc)
             raise
         except Exception:
             self.abort_batch(out)

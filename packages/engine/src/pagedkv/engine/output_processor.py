@@ -1,5 +1,5 @@
 """What happens to sampled tokens after the scheduler applied them: text, stop strings,
-log-probabilities, beam search and the `RequestOutput`s a caller sees.
+log-probabilities, beam search and the `RequestOutput` objects a caller sees.
 
 The scheduler owns the sequences (their tokens, forks, stop tokens, lengths). This module
 keeps, per sequence, only what the scheduler does not need: the incremental detokenizer (and
@@ -70,10 +70,12 @@ class RequestState:
     metrics: RequestMetrics
     seqs: dict[int, SeqOutputState] = field(default_factory=dict)
     beam: BeamSearch | None = None
+    #: With prompt_logprobs: [None] then one entry per prompt token computed so far.
+    prompt_logprobs: list | None = None
 
 
 class OutputProcessor:
-    """Per-request output state, and the step's `RequestOutput`s."""
+    """Per-request output state, and the step's `RequestOutput` objects."""
 
     def __init__(
         self,
@@ -104,6 +106,8 @@ class OutputProcessor:
         p = prep.params
         if p.use_beam_search:
             st.beam = BeamSearch.from_params(p, self.eos_token_ids, max_tokens=prep.max_tokens)
+        if p.prompt_logprobs is not None:
+            st.prompt_logprobs = [None]
         self._requests[request_id] = st
         self._num_not_argmax += not prep.sampling.argmax_only
 
@@ -189,11 +193,13 @@ class OutputProcessor:
         return samples
 
     def process(self, out, result: RunnerOutput, samples, update, now: float) -> list[RequestOutput]:
-        """Apply the step's new tokens to the output state; the step's `RequestOutput`s.
+        """Apply the step's new tokens to the output state; the step's `RequestOutput` objects.
 
         `samples` is what `Scheduler.update` applied (see `choose`) and `update` its result."""
         requests = self._requests
         touched: dict[str, RequestState] = {}
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
         beam_cum = self._beam_cum
         children = None
@@ -241,6 +247,17 @@ class OutputProcessor:
                 results.append(self._output(st, finished=False))
         return results
 
+    def _add_prompt_logprobs(self, chunks) -> None:
+        """Each request's prompt logprobs of this step, in prompt order; positions a recompute
+        computed a second time are skipped."""
+        for rid, (first, lps) in chunks.items():
+            st = self._requests.get(rid)
+            if st is None or st.prompt_logprobs is None:
+                continue
+            have = st.prompt_logprobs
+            if first <= len(have):
+                have.extend(lps[len(have) - first:])
+
     def _append(self, st: RequestState, seq_id: int, seq, tok: int, lp, cum: float | None) -> None:
         """One new token of one sequence: cumulative logprob, logprobs, text, stop strings."""
         sst = st.seqs[seq_id]
@@ -287,7 +304,11 @@ class OutputProcessor:
     def _output(self, st: RequestState, finished: bool) -> RequestOutput:
         comps = [self._completion(st, s, finished) for s in st.group.all_seqs()]
         return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
-                             finished, st.metrics)
+                             finished, st.metrics, self._prompt_lp(st))
+
+    @staticmethod
+    def _prompt_lp(st: RequestState) -> list | None:
+        return list(st.prompt_logprobs) if st.prompt_logprobs is not None else None
 
     def _final_output(self, st: RequestState) -> RequestOutput:
         p = st.prep.params
@@ -302,7 +323,7 @@ class OutputProcessor:
                 comps.append(CompletionOutput(i, text, list(h.output_token_ids), h.cum_logprob,
                                               None, h.finish_reason, h.stop_token_id))
             return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
-                                 True, st.metrics)
+                                 True, st.metrics, self._prompt_lp(st))
         comps = [self._completion(st, s, True) for s in g.all_seqs()]
         if g.finish_reason is FinishReason.ABORTED or g.finish_reason is FinishReason.REJECTED:
             for c in comps:
@@ -313,7 +334,7 @@ class OutputProcessor:
             for i, c in enumerate(comps):
                 c.index = i
         return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps, True,
-                             st.metrics)
+                             st.metrics, self._prompt_lp(st))
 
 
 def _find_seq(group, seq_id: int):
