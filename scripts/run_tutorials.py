@@ -49,6 +49,23 @@ class TutorialError(Exception):
     """A notebook failed: a cell raised, or an exercise's check did not behave."""
 
 
+DOCS_COPIES = ROOT / "docs" / "_executed_tutorials"
+
+
+def source_stamp(notebook: Path) -> str:
+    """sha256 of what an executed copy was made from: the notebook, its solutions and the
+    helper package (the docs reuse a copy only while this matches)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = [notebook, solutions_path(notebook), *sorted((TUTORIALS / "pagedkv_tutorial_helpers").glob("*.py"))]
+    for f in files:
+        if f.exists():
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def notebooks() -> list[Path]:
     return sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
 
@@ -246,6 +263,10 @@ def execute(path: Path, kernel_name: str, *, timeout: int = 600, check_blanks: b
     executed.cells = [s.cell for s in steps if s.keep]
     for i, cell in enumerate(executed.cells):
         cell.id = f"cell-{i}"
+    executed.metadata["pagedkv"] = {
+        "source_sha256": source_stamp(path), "device": device_line(executed),
+        "seconds": round(seconds, 1), "small": os.environ.get(SMALL_ENV) == "1",
+    }  # fmt: skip
     return Result(path.name, seconds, device_line(executed), executed, exercises)
 
 
@@ -263,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("notebooks", nargs="*", help="notebook files or names (default: all six)")
     p.add_argument("--out", type=Path, help="write the executed notebooks (docs copies) here")
+    p.add_argument("--docs", action="store_true",
+                   help=f"write them where the docs build takes them ({DOCS_COPIES.relative_to(ROOT)})")
     p.add_argument("--record", type=Path, help="write a JSON record of the run here")
     p.add_argument("--small", action="store_true", help=f"set {SMALL_ENV}=1 (quick run)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
@@ -271,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     paths = [Path(n) if n.endswith(".ipynb") else TUTORIALS / f"{n}.ipynb" for n in args.notebooks]
     paths = [p if p.is_absolute() or p.exists() else TUTORIALS / p.name for p in paths] or notebooks()
+    if args.docs:
+        args.out = DOCS_COPIES
     if args.small:
         os.environ[SMALL_ENV] = "1"
     if args.out:

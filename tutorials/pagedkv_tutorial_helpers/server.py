@@ -67,6 +67,10 @@ class ServerProcess:
                 raise TimeoutError(f"pagedkv serve was not healthy in {timeout_s} s:\n{logs[-3000:]}")
             time.sleep(0.5)
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def logs(self) -> str:
         if self._log is None:
             return ""

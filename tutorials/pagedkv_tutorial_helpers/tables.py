@@ -90,7 +90,7 @@ def block_tables_html(
             f'padding-right:8px">{html.escape(str(label))}</th><td style="padding-right:8px">'
             f"{filled} tok{' (CPU)' if label in cpu else ''}</td>{''.join(cells)}</tr>"
         )
-    cap = f"<caption style='text-align:left'>{html.escape(caption)}</caption>" if caption else ""
+    cap = f"<caption style='text-align:left;white-space:nowrap'>{html.escape(caption)}</caption>" if caption else ""
     return (
         f'<table class="{css_class}" style="border-collapse:separate;border-spacing:2px">'
         f"{cap}{''.join(rows)}</table>"
@@ -139,7 +139,7 @@ def table_html(rows: Sequence[Mapping[str, Any]], *, css_class: str = "pagedkv-t
         "<tr>" + "".join(f"<td>{html.escape(str(r.get(k, '')))}</td>" for k in keys) + "</tr>"
         for r in rows
     )
-    cap = f"<caption style='text-align:left'>{html.escape(caption)}</caption>" if caption else ""
+    cap = f"<caption style='text-align:left;white-space:nowrap'>{html.escape(caption)}</caption>" if caption else ""
     return (
         f'<table class="{css_class}" style="text-align:right">{cap}<tr>{head}</tr>{body}</table>'
     )

@@ -33,7 +33,7 @@ def _control(name: str, spec: Any):
     """An ipywidgets control from a short spec, as ``ipywidgets.interact`` reads them:
     ``(min, max)`` or ``(min, max, step)`` -> an int slider starting at ``min`` (``value=``
     a given start: ``(min, max, step, value)``), a list -> a dropdown (first item selected), a
-    bool -> a checkbox, a widget -> itself."""
+    bool -> a checkbox, a widget -> itself. Dropdown items may be ``(label, value)`` pairs."""
     import ipywidgets as w
 
     style = {"description_width": "initial"}
@@ -48,7 +48,8 @@ def _control(name: str, spec: Any):
         return w.IntSlider(value=value, min=lo, max=hi, step=step, description=name,
                            continuous_update=False, style=style)  # fmt: skip
     if isinstance(spec, list) and spec:
-        return w.Dropdown(options=spec, value=spec[0], description=name, style=style)
+        first = spec[0][1] if isinstance(spec[0], tuple) else spec[0]
+        return w.Dropdown(options=spec, value=first, description=name, style=style)
     raise ValueError(
         f"control {name!r}: give (min, max[, step[, value]]) ints, a list of choices, a bool "
         f"or an ipywidgets control, not {spec!r}"
@@ -59,8 +60,9 @@ class Rerun:
     """Controls whose every change calls ``run(**values)`` again and shows its result.
 
     ``run`` is a function of the notebook (it runs the real engine, block manager or kernel);
-    its return value is drawn into ``self.view`` (see :func:`to_html`). A ``ValueError`` (a
-    setting the package refuses) is shown as its message, kept in ``self.error``.
+    its return value is drawn into ``self.view`` (see :func:`to_html`). An exception is shown
+    instead, its message kept in ``self.error`` (a ``ValueError``, a setting the package
+    refuses, by its message alone).
     """
 
     def __init__(self, run: Callable[..., Any], **controls: Any) -> None:
@@ -88,22 +90,26 @@ class Rerun:
 
     def refresh(self) -> None:
         """Call ``run`` with the controls' values now and redraw."""
+        import ipywidgets as w
+
         self.status.value = "<i>running…</i>"
         try:
             self.result = self.run(**self.values)
-        except ValueError as exc:
-            self.error = str(exc)
+        except Exception as exc:  # shown where the view was; ValueError: a refused setting
+            self.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             self.result = None
             self.status.value = ""
             self.view.value = (
-                f'<p class="pagedkv-error" style="color:#c44e52">{html.escape(str(exc))}</p>'
+                f'<p class="pagedkv-error" style="color:#c44e52">{html.escape(self.error)}</p>'
             )
             return
         self.error = None
         self.runs += 1
-        settings = ", ".join(f"{k}={v}" for k, v in self.values.items())
+        self.view.value = to_html(self.result)  # the view first: a changed status means a new view
+        settings = ", ".join(
+            f"{k}={c.label if isinstance(c, w.Dropdown) else c.value}" for k, c in self.controls.items()
+        )
         self.status.value = f'<small class="pagedkv-run">run {self.runs}: {html.escape(settings)}</small>'
-        self.view.value = to_html(self.result)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
