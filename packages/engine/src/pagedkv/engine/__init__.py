@@ -36,6 +36,7 @@ _EXPORTS = {
     "ModelConfig": "pagedkv.engine.config",
     "RunnerOutput": "pagedkv.engine.outputs",
     "StepRecord": "pagedkv.engine.step_record",
+    "SeqBlocks": "pagedkv.engine.step_record",
 }
 
 __all__ = ["__version__", *_EXPORTS]

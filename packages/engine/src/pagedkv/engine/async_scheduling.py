@@ -34,7 +34,9 @@ class AsyncScheduling:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.in_flight = None  # (SchedulerOutput, worker.model_runner.InFlightStep)
+        # (SchedulerOutput, worker.model_runner.InFlightStep, the block tables it launched with
+        # when observed: kvblocks' lists grow again when the next step is scheduled ahead)
+        self.in_flight = None
 
     def step(self) -> list[RequestOutput]:
         """Launch the next pass, then apply the one in flight."""
@@ -55,7 +57,8 @@ class AsyncScheduling:
         results += engine.outputs.finished_outside(out.finished, now)
         if not out.is_empty:
             try:
-                self.in_flight = (out, engine.runner.execute_async(out))
+                tables = [tuple(ss.block_table) for ss in out.scheduled] if engine.observed else None
+                self.in_flight = (out, engine.runner.execute_async(out), tables)
             except TensorParallelError as exc:  # a rank died: no step can run any more
                 engine.fail(exc)
                 raise
@@ -78,7 +81,7 @@ class AsyncScheduling:
         """Wait for a launched step's tokens and apply them. Requests that ended since it was
         launched (aborted, or stopped by the step before) are skipped by `update`."""
         engine = self.engine
-        out, launched = in_flight
+        out, launched, tables = in_flight
         t0 = time.perf_counter()
         try:
             result = launched.result()
@@ -91,6 +94,6 @@ class AsyncScheduling:
         t2 = time.perf_counter()
         results = engine.outputs.process(out, result, samples, update, time.time())
         if engine.observed:
-            engine.observe(out, samples, update, results, wait=t1 - t0, update=t2 - t1,
-                           output=time.perf_counter() - t2)
+            engine.observe(out, samples, update, results, tables=tables, wait=t1 - t0,
+                           update=t2 - t1, output=time.perf_counter() - t2)
         return results
