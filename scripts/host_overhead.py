@@ -114,7 +114,8 @@ class _Timers:
     def __init__(self, engine: LLMEngine) -> None:
         self.acc = dict.fromkeys(PARTS, 0.0)
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.scheduler, "schedule_ahead", "schedule")
+        if hasattr(engine.scheduler, "schedule_ahead"):  # an AsyncScheduler
+            self._wrap(engine.scheduler, "schedule_ahead", "schedule")
         self._wrap(engine.runner, "run", "execute")
         self._wrap(engine.runner, "sample", "sample")
         self._wrap(InFlightStep, "result", "sample")

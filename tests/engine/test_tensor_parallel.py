@@ -15,6 +15,7 @@ import gc
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from pagedkv.engine.distributed.parallel_state import (
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.model_loader import load_model
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.worker.cuda_graphs import graph_batch_sizes
 from pagedkv.engine.worker.model_runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,12 +158,16 @@ def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) ->
     stats = engine.get_stats()
     assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0, "KV blocks leaked"
     assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
-    return {"tokens": [outs[f"r{i}"] for i in range(len(requests))], "stats": stats}
+    runner = engine.runner
+    return {"tokens": [outs[f"r{i}"] for i in range(len(requests))], "stats": stats,
+            "passes": runner.graph_replays + runner.eager_passes,
+            "graph_replays": runner.graph_replays, "async": engine._async is not None}
 
 
 def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple[dict, dict]:
     ref_engine = _engine(folder, 1, device=device, **kw)
     ref = _run(ref_engine, requests)
+    ref_healthy = ref_engine.is_healthy
     del ref_engine
     gc.collect()
     if torch.cuda.is_available():
@@ -169,10 +175,13 @@ def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple
     engine = _engine(folder, 2, device=device, **kw)
     try:
         got = _run(engine, requests)
+        got["ranks"] = engine.runner.rank_stats()
+        assert engine.is_healthy and ref_healthy
     finally:
         start = time.monotonic()
         engine.shutdown()
         took = time.monotonic() - start
+    assert not engine.is_healthy  # shut down: no step can run
     left = multiprocessing.active_children()
     if left:  # say whether they were stuck or only slow to exit, then fail
         for p in left:
@@ -180,7 +189,23 @@ def _tp1_vs_tp2(folder: Path, requests, device: str = "cpu", **kw: Any) -> tuple
         detail = [(p.name, p.pid, p.exitcode) for p in left]
         pytest.fail(f"workers left running after shutdown ({took:.1f} s): {detail}")
     assert not dist.is_initialized()
+    _check_ranks_ran_alike(ref, got)
     return ref, got
+
+
+def _check_ranks_ran_alike(ref: dict, got: dict) -> None:
+    """Every rank ran every step, the same way (graph or eager, tokens from the device or
+    not), and as many forward passes as one device ran for the same requests."""
+    ranks = got["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(len(ranks)))
+    for r in ranks[1:]:
+        assert {**r, "rank": 0} == ranks[0], ranks
+    assert ranks[0]["steps"] == got["passes"] == ref["passes"] > 0
+    assert ranks[0]["graph_replays"] == ref["graph_replays"]  # graphs where one device has them
+    assert ranks[0]["graph_replays"] + ranks[0]["eager_passes"] == ranks[0]["steps"]
+    assert got["async"] == ref["async"]
+    if not got["async"]:
+        assert ranks[0]["steps_with_pending"] == 0
 
 
 @pytest.fixture
@@ -411,27 +436,44 @@ def test_a_preloaded_model_cannot_be_split(checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-gqa-bias", "opt-postnorm-proj", "qwen2-gqa"])
-def test_tp2_greedy_tokens_equal_tp1(checkpoints, one_thread, name):
+@pytest.mark.parametrize(
+    ("name", "async_scheduling"),
+    [("llama-gqa-bias", False), ("llama-gqa-bias", True), ("opt-postnorm-proj", True),
+     ("qwen2-gqa", False)],
+    ids=["llama-plain", "llama-async", "opt-async", "qwen2-plain"],
+)
+def test_tp2_greedy_tokens_equal_tp1(checkpoints, one_thread, name, async_scheduling):
+    """Plain steps, and asynchronous scheduling (each step launched before the tokens of the
+    one before reach the host; every rank computes the argmax and reads it on its device)."""
     requests = [(p, _greedy()) for p in PROMPTS]
-    ref, got = _tp1_vs_tp2(checkpoints[name], requests)
+    ref, got = _tp1_vs_tp2(checkpoints[name], requests, async_scheduling=async_scheduling)
     assert got["tokens"] == ref["tokens"]
     assert len({tuple(t[0]) for t in ref["tokens"]}) == len(PROMPTS), "outputs differ by prompt"
     # each rank's cache holds half the KV heads: the same memory holds twice the blocks
     assert got["stats"].num_gpu_blocks // 2 == ref["stats"].num_gpu_blocks
+    assert got["async"] is async_scheduling
+    if async_scheduling:  # steps scheduled ahead read their last token on every device
+        assert got["ranks"][0]["steps_with_pending"] > 0
+    # on the CPU every pass runs eagerly (CUDA graphs: see the gpu tests)
+    assert got["ranks"][0]["graph_replays"] == 0 == got["ranks"][0]["num_graphs"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "mode"), [("llama-gqa-tied", "swap"), ("opt-prenorm", "recompute")]
+    ("name", "mode", "async_scheduling"),
+    [("llama-gqa-tied", "swap", True), ("opt-prenorm", "recompute", False)],
 )
-def test_tp2_equals_tp1_under_preemption_and_copy_on_write(checkpoints, one_thread, name, mode):
+def test_tp2_equals_tp1_under_preemption_and_copy_on_write(
+    checkpoints, one_thread, name, mode, async_scheduling
+):
     """A KV cache far too small for the batch: sequences are swapped out and back in (the
     block operations reach every rank) or recomputed; parallel samples share blocks and copy
-    them on write."""
+    them on write. Sampled requests take the plain step (logits gathered on rank 0), greedy
+    ones the asynchronous one, and the engine moves between the two."""
     requests = [(p, _greedy(24)) for p in PROMPTS]
     requests.append((PROMPTS[3], SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=24)))
-    kw = dict(num_gpu_blocks_override=8, block_size=8, preemption_mode=mode, max_num_seqs=4)
+    kw = dict(num_gpu_blocks_override=8, block_size=8, preemption_mode=mode, max_num_seqs=4,
+              async_scheduling=async_scheduling)
     ref, got = _tp1_vs_tp2(checkpoints[name], requests, **kw)
     assert ref["stats"].num_preemptions > 0
     assert got["stats"].num_preemptions == ref["stats"].num_preemptions
@@ -450,8 +492,9 @@ def test_tp2_dummy_weights_equal_tp1(checkpoints, one_thread):
 
 _DEAD_WORKER_SCRIPT = textwrap.dedent(
     """
-    import json, os, signal, sys, time
+    import json, multiprocessing, os, signal, sys, threading, time
     import torch
+    import torch.distributed as dist
 
     def main():
         torch.set_num_threads(1)
@@ -460,28 +503,60 @@ _DEAD_WORKER_SCRIPT = textwrap.dedent(
         from pagedkv.engine.llm_engine import LLMEngine
         from pagedkv.engine.sampling_params import SamplingParams
 
-        engine = LLMEngine(EngineArgs(model=sys.argv[1], device="cpu", dtype="float32",
-                                      tensor_parallel_size=2, kv_cache_gb=0.01, swap_space=0.01,
-                                      distributed_timeout=float(sys.argv[2])))
-        for i in range(3):
-            engine.add_request(str(i), [5, 6, 7 + i],
-                               SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
-        pid = engine.runner._workers.procs[1].pid
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        errors = []
-        for _ in range(2):
+        scenario, model, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+        device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+        args = EngineArgs(model=model, device=device, dtype="float32", tensor_parallel_size=2,
+                          kv_cache_gb=0.01, swap_space=0.01, distributed_timeout=timeout_s,
+                          async_scheduling=scenario == "async", gpu_memory_utilization=0.3,
+                          max_num_seqs=16)
+        report = {"errors": []}
+        killed = {}
+
+        def kill(pid):
+            killed["pid"], killed["at"] = pid, time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+
+        if scenario.startswith("startup"):
+            def killer():  # the worker as soon as it exists, or once the groups are up
+                while not multiprocessing.active_children():
+                    time.sleep(0.005)
+                while scenario == "startup-joined" and not dist.is_initialized():
+                    time.sleep(0.005)
+                kill(multiprocessing.active_children()[0].pid)
+            threading.Thread(target=killer, daemon=True).start()
             try:
-                while engine.has_unfinished_requests():
-                    engine.step()
-                errors.append(None)
+                LLMEngine(args)
             except TensorParallelError as exc:
-                errors.append(str(exc))
-        import multiprocessing
-        print(json.dumps({"errors": errors, "seconds": time.monotonic() - start, "pid": pid,
-                          "children": len(multiprocessing.active_children())}))
+                report["errors"].append(str(exc))
+        else:
+            engine = LLMEngine(args)
+            params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            for i in range(3):
+                engine.add_request(str(i), [5, 6, 7 + i], params)
+            if scenario == "idle":  # between steps: nothing runs, the engine must still know
+                kill(engine.runner._workers.procs[1].pid)
+                while engine.is_healthy and time.monotonic() - killed["at"] < 10:
+                    time.sleep(0.01)
+                report["unhealthy_after"] = time.monotonic() - killed["at"]
+            else:
+                for _ in range(3):
+                    engine.step()
+                kill(engine.runner._workers.procs[1].pid)
+            for _ in range(2):
+                try:
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    report["errors"].append(None)
+                except TensorParallelError as exc:
+                    report["errors"].append(str(exc))
+            try:
+                engine.check_health()
+            except TensorParallelError as exc:
+                report["health"] = str(exc)
+        report.update(seconds=time.monotonic() - killed["at"], pid=killed["pid"],
+                      children=len(multiprocessing.active_children()),
+                      initialized=dist.is_initialized())
+        print(json.dumps(report))
 
     if __name__ == "__main__":
         main()
@@ -490,53 +565,347 @@ _DEAD_WORKER_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_dead_worker_stops_the_engine_with_a_clear_error(checkpoints, tmp_path):
-    """Killing a worker mid-generation: the next step raises at once (not after the collective
-    timeout, and never hangs), naming the rank and the signal; so does every later step, and
-    no process is left behind. Runs in a subprocess so that a hang fails the test."""
+@pytest.mark.parametrize("scenario", ["plain", "async", "idle", "startup", "startup-joined"])
+def test_a_dead_worker_stops_the_engine_with_a_clear_error(checkpoints, tmp_path, scenario):
+    """A worker killed mid-generation (plain or asynchronous steps), while the engine idles
+    between steps, or while the engine starts (before or after the process groups are up):
+    the engine raises `TensorParallelError` naming the rank and the signal within seconds
+    (never by the collective timeout, never a hang), every later step raises it too,
+    `is_healthy` turns False with no step run, and no process is left behind. Runs in a
+    subprocess so that a hang fails the test."""
     script = tmp_path / "dead_worker.py"
     script.write_text(_DEAD_WORKER_SCRIPT)
     timeout_s = 60
     proc = subprocess.run(
-        [sys.executable, str(script), str(checkpoints["llama-gqa-tied"]), str(timeout_s)],
-        capture_output=True,
-        text=True,
-        timeout=150,
+        [sys.executable, str(script), scenario, str(checkpoints["llama-gqa-tied"]),
+         str(timeout_s)],
+        capture_output=True, text=True, timeout=150,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    first, again = result["errors"]
-    assert first is not None and again == first
-    assert f"worker rank 1 (pid {result['pid']}) was killed by signal SIGKILL" in first
-    assert result["seconds"] < timeout_s / 2, "noticed by the collective timeout, not at once"
-    assert result["children"] == 0
+    message = f"worker rank 1 (pid {result['pid']}) was killed by signal SIGKILL"
+    errors = result["errors"]
+    assert errors and all(e is not None and message in e for e in errors), (errors, message)
+    if not scenario.startswith("startup"):
+        assert len(errors) == 2 and errors[0] == errors[1]  # every later step too
+        assert message in result["health"]
+    assert result["seconds"] < 10, "noticed by the collective timeout, not at once"
+    if scenario == "idle":
+        assert result["unhealthy_after"] < 2.5  # the monitor, not a step, noticed
+    assert result["children"] == 0 and not result["initialized"]
+
+
+def _child_workers(pid: int) -> list[int]:
+    """Pids of the spawned worker processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start_cli(args: list[str]) -> tuple[subprocess.Popen, Any, list[str]]:
+    """`pagedkv ARGS` in a subprocess; returns it, an event set once the engine is ready, and
+    its stderr lines as they come."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv.engine.cli", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    return (proc, *_watch_stderr(proc))
+
+
+def _watch_stderr(proc: subprocess.Popen) -> tuple[Any, list[str]]:
+    """An event set once `proc` logs that its engine is ready, and its stderr lines so far
+    (read by a thread, which also keeps the pipe from filling up)."""
+    import threading
+
+    ready = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "engine ready" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return ready, lines
+
+
+def _generate_args(folder: Path, tp: int) -> list[str]:
+    prompts = [f"t{i} t{i + 1} t{i + 2}" for i in range(5, 13)]
+    return ["generate", *prompts, "--model", str(folder), "--device", "cpu", "--dtype",
+            "float32", "--max-tokens", "200", "--quiet", "--kv-cache-gb", "0.01", "--swap-space",
+            "0.01", "-tp", str(tp), "--distributed-timeout", "120"]  # fmt: skip
 
 
 @pytest.mark.slow
-def test_torchrun_launch_serves_rank_0s_command(checkpoints, one_thread, capsys):
-    """`torchrun --nproc-per-node 2 -m pagedkv.engine.cli generate -tp 2`: rank 1 becomes the
-    worker, rank 0 prints what the single-process command prints."""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_pagedkv_generate_exits_non_zero_naming_the_dead_rank_and_leaves_no_process(checkpoints):
+    """`pagedkv generate -tp 4` with one of its three workers killed mid-run: the command
+    says which rank died and exits with code 1 within 10 s; the other two workers are stopped
+    too (no orphan)."""
+    proc, ready, lines = _start_cli(_generate_args(checkpoints["opt-prenorm"], 4))
+    try:
+        assert ready.wait(200), "".join(lines)[-3000:]
+        workers = _child_workers(proc.pid)
+        assert len(workers) == 3, workers
+        time.sleep(1.0)  # generating now
+        victim = workers[1]
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        code = proc.wait(30)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(lines)
+    assert code == 1, err[-3000:]
+    assert took < 10, took
+    assert re.search(rf"error: tensor-parallel worker rank [123] \(pid {victim}\) was killed by "
+                     "signal SIGKILL", err), err[-3000:]
+    assert not [w for w in workers if _alive(w)], "workers left running"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_exit_when_the_driver_is_killed(checkpoints):
+    """SIGKILL gives the driver no chance to stop its workers: they notice it is gone."""
+    proc, ready, lines = _start_cli(_generate_args(checkpoints["llama-gqa-tied"], 2))
+    try:
+        assert ready.wait(200), "".join(lines)[-3000:]
+        workers = _child_workers(proc.pid)
+        assert len(workers) == 1, workers
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _alive(workers[0]), "the worker outlived its driver by 10 s"
+
+
+def test_heartbeat_watcher_names_the_rank_that_stops_beating(monkeypatch):
+    """The torchrun ranks' heartbeat: a rank that beats is never reported; one that stops is
+    reported once, after the silence (here shortened)."""
+    import threading
+
+    from pagedkv.engine.distributed import heartbeat
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setattr(heartbeat, "INTERVAL", 0.02)
+    beats = {r: heartbeat.start_beating(r) for r in (1, 2)}
+    silent: list[int] = []
+    done = threading.Event()
+    watcher = heartbeat.HeartbeatWatcher([1, 2], lambda r: (silent.append(r), done.set()),
+                                         silence=0.3)
+    try:
+        time.sleep(0.5)
+        assert silent == []  # both beat
+        beats[2].set()  # rank 2 stops
+        stopped = time.monotonic()
+        assert done.wait(5)
+        assert silent == [2] and time.monotonic() - stopped > 0.2  # not at the first quiet poll
+        time.sleep(0.2)
+        assert silent == [2]  # reported once
+    finally:
+        watcher.stop()
+        beats[1].set()
+
+
+# --------------------------------------------------------------------------- torchrun, 2 "machines"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun_two_nodes(command: list[str]) -> list[subprocess.Popen]:
+    """`torchrun --nnodes 2 --nproc-per-node 1 -m pagedkv.engine.cli COMMAND`, once per
+    "machine" (node rank 0 and 1), both on this host over loopback: the two-host launch of
+    docs/tensor-parallel.md with 127.0.0.1 as the first machine's address."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "-m", "pagedkv.engine.cli", *command, "--tensor-parallel-size", "2",
+             "--distributed-timeout", "120"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        )
+        for node in (0, 1)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each; kills what is still running after `timeout`."""
+    results = []
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += "\n[killed by the test: still running]"
+        results.append((proc.returncode, out, err))
+    return results
+
+
+_GENERATE = ["generate", "t5 t6 t7 t8", "t100 t3", "--device", "cpu", "--dtype", "float32",
+             "--max-tokens", "12", "--quiet", "--kv-cache-gb", "0.01", "--swap-space", "0.01"]
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_generate_prints_what_one_process_prints(checkpoints, capsys):
+    """`torchrun --nnodes 2 --nproc-per-node 1 ... pagedkv generate -tp 2` (node 1's rank
+    becomes the worker of rank 0's engine) prints what `pagedkv generate` prints, and both
+    launches exit 0."""
     from pagedkv.engine.cli import main
 
-    folder = str(checkpoints["llama-gqa-bias"])
-    common = ["generate", "t5 t6 t7 t8", "t100 t3", "--model", folder, "--device", "cpu",
-              "--dtype", "float32", "--max-tokens", "12", "--quiet", "--kv-cache-gb", "0.01",
-              "--swap-space", "0.01"]  # fmt: skip
-    assert main(common) == 0
+    command = [*_GENERATE, "--model", str(checkpoints["llama-gqa-bias"])]
+    assert main(command) == 0
     expected = capsys.readouterr().out
     assert expected.count("--- prompt") == 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pagedkv.engine.cli", *common, "--tensor-parallel-size", "2",
-         "--distributed-timeout", "60"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout == expected, (proc.stdout, proc.stderr[-2000:])
-    assert time.monotonic() - start < 200
+    (code0, out0, err0), (code1, out1, err1) = _finish(_torchrun_two_nodes(command), 240)
+    assert code0 == 0 and code1 == 0, (err0[-2000:], err1[-2000:])
+    assert out0 == expected, (out0, err0[-2000:])
+    assert "--- prompt" not in out1  # the worker runs no command of its own
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_rank_0_names_a_dead_rank_and_exits(checkpoints):
+    """Node 1's rank killed mid-run: rank 0 (which cannot see another machine's processes)
+    names it from its silent heartbeat and exits non-zero within 10 s; nothing hangs."""
+    command = _generate_args(checkpoints["llama-gqa-tied"], 2)
+    command = command[: command.index("-tp")]  # _torchrun_two_nodes adds the size
+    procs = _torchrun_two_nodes(command)
+    ready, lines = _watch_stderr(procs[0])
+    try:
+        assert ready.wait(200), "".join(lines)[-3000:]
+        workers = [pid for pid in _children(procs[1].pid) if b"pagedkv" in _cmdline(pid)]
+        assert len(workers) == 1, "node 1's rank is not the agent's one child"
+        time.sleep(1.0)  # generating now
+        assert procs[0].poll() is None, "rank 0 ended before the kill"
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        code0 = procs[0].wait(60)
+        took = time.monotonic() - start
+    finally:
+        _finish(procs, 30)
+    err0 = "".join(lines)
+    assert code0 != 0, err0[-3000:]
+    assert took < 10, took
+    assert "error: tensor-parallel rank 1 stopped responding" in err0, err0[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = resp.read().decode()
+            return resp.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_serve_answers_like_one_device(checkpoints):
+    """The documented two-machine `pagedkv serve --tensor-parallel-size 2` under torchrun,
+    rehearsed on one host: the server on rank 0 answers a completion with the tokens of the
+    unsplit model, and SIGTERM to rank 0's server stops both machines' processes cleanly
+    (every exit code 0)."""
+    import urllib.error
+
+    from pagedkv.engine.llm import LLM
+
+    folder = str(checkpoints["llama-gqa-bias"])
+    prompt, params = "t5 t6 t7 t8", SamplingParams(max_tokens=10, temperature=0.0)
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_gb=0.01, swap_space=0.01)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    port = _free_port()
+    procs = _torchrun_two_nodes(["serve", folder, "--port", str(port), "--device", "cpu",
+                                 "--dtype", "float32", "--kv-cache-gb", "0.01", "--swap-space",
+                                 "0.01"])  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 200
+        status = None
+        while time.monotonic() < deadline and procs[0].poll() is None:
+            try:
+                status, _ = _http("GET", f"{base}/health")
+            except (urllib.error.URLError, ConnectionError, OSError):
+                status = None
+            if status == 200:
+                break
+            time.sleep(0.5)
+        assert status == 200, "the server did not come up"
+        status, body = _http("POST", f"{base}/v1/completions", {
+            "model": _http("GET", f"{base}/v1/models")[1]["data"][0]["id"], "prompt": prompt,
+            "max_tokens": 10, "temperature": 0.0})  # fmt: skip
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected
+        # SIGTERM to rank 0's process (torchrun itself reports any signal as a failure)
+        rank0 = [pid for pid in _children(procs[0].pid) if b"pagedkv" in _cmdline(pid)]
+        assert len(rank0) == 1
+        os.kill(rank0[0], signal.SIGTERM)
+    finally:
+        results = _finish(procs, 60)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
 
 
 # --------------------------------------------------------------------------- GPU (NCCL)
@@ -549,12 +918,47 @@ two_gpus = pytest.mark.skipif(
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("name", ["llama-gqa-bias", "opt-postnorm-proj"])
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_gpu_tp2_greedy_tokens_equal_tp1(checkpoints, name, eager):
+@pytest.mark.parametrize(
+    ("eager", "async_scheduling"), [(False, True), (False, False), (True, True)],
+    ids=["graphs-async", "graphs-plain", "eager-async"],
+)
+def test_gpu_tp2_greedy_tokens_equal_tp1(checkpoints, name, eager, async_scheduling):
+    """Over NCCL: the same tokens as one GPU, with the decode passes replayed from CUDA graphs
+    (all-reduces captured inside) on every rank, or eagerly, with asynchronous scheduling or
+    without."""
     requests = [(p, _greedy()) for p in PROMPTS]
-    kw = dict(gpu_memory_utilization=0.3, enforce_eager=eager, max_num_seqs=16)
+    kw = dict(gpu_memory_utilization=0.3, enforce_eager=eager, max_num_seqs=16,
+              async_scheduling=async_scheduling)
     ref, got = _tp1_vs_tp2(checkpoints[name], requests, device="cuda", **kw)
     assert got["tokens"] == ref["tokens"]
+    rank0 = got["ranks"][0]
+    if eager:
+        assert rank0["graph_replays"] == 0 == rank0["num_graphs"]
+    else:  # every decode pass of up to 16 sequences replays a graph, on every rank
+        assert rank0["num_graphs"] == len(graph_batch_sizes(16))  # 1, 2, 4, 8, 16
+        assert rank0["graph_replays"] > rank0["eager_passes"] > 0
+    if async_scheduling:
+        assert rank0["steps_with_pending"] > 0
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("scenario", ["async", "idle"])
+def test_gpu_a_dead_worker_stops_the_engine_at_once(checkpoints, tmp_path, scenario):
+    """Over NCCL a collective with a dead peer does not fail by itself: the monitor aborts the
+    communicators, and the engine raises within seconds (CUDA graphs, asynchronous steps)."""
+    script = tmp_path / "dead_worker.py"
+    script.write_text(_DEAD_WORKER_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), scenario, str(checkpoints["llama-gqa-tied"]), "60", "cuda"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    message = f"worker rank 1 (pid {result['pid']}) was killed by signal SIGKILL"
+    assert result["errors"] and all(e and message in e for e in result["errors"]), result
+    assert result["seconds"] < 10 and result["children"] == 0
 
 
 @pytest.mark.gpu

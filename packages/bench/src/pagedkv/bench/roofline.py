@@ -160,6 +160,9 @@ def _host_gap_by_batch(passes, step_seconds, gpu) -> dict[str, dict[str, float]]
             label = f"{low}-{high}" if high < 1 << 30 else f"{low}+"
             table[label] = {"passes": len(idx), "host_gap_s": gap,
                             "host_gap_ms_mean": gap / len(idx) * 1e3,
-                            "gpu_ms_mean": sum(gpu[i] for i in idx) / len(idx) * 1e3}
+                            "host_gap_ms_median": median(step_seconds[i] - gpu[i]
+                                                         for i in idx) * 1e3,
+                            "gpu_ms_mean": sum(gpu[i] for i in idx) / len(idx) * 1e3,
+                            "gpu_ms_median": median(gpu[i] for i in idx) * 1e3}
         low = high + 1
     return table

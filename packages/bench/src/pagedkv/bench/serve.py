@@ -118,6 +118,8 @@ class RequestResult:
 
 def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     """The request list; the same `--seed` gives the same prompts and lengths."""
+    if getattr(args, "dataset", None) == "sharegpt":  # issue 19: the real dataset
+        return _sharegpt_requests(args)
     rng = random.Random(args.seed)
     if args.workload == "random":
         lengths = [(args.input_len, args.output_len)] * args.num_prompts
@@ -933,6 +935,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-prompts", type=int, default=100, help="requests to send (at each rate of a sweep)"
     )
+    add_dataset_arg(parser)
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -1055,6 +1058,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    _check_dataset(args)
     for name in ("input_len", "output_len", "num_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -1288,6 +1292,41 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pagedkv bench serve: error: {exc}", file=sys.stderr)
         return 2
+
+
+
+# --- issue 19: `--dataset sharegpt`, the real ShareGPT V3 prompts (pagedkv.bench.sharegpt) ---
+def add_dataset_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        choices=("sharegpt",),
+        help="sharegpt: real ShareGPT V3 prompts (token ids of the embedded model's tokenizer) "
+        "and reply lengths, sampled by vLLM's rules with --seed; replaces --workload (needs "
+        "pagedkv-bench[sharegpt])",
+    )
+
+
+def _check_dataset(args: argparse.Namespace) -> None:
+    if getattr(args, "dataset", None) == "sharegpt":
+        from pagedkv.bench.sharegpt import dataset_available, missing_dataset_message
+
+        if not dataset_available():
+            raise ValueError(f"--dataset sharegpt: {missing_dataset_message()}")
+
+
+def _sharegpt_requests(args: argparse.Namespace) -> list[RequestSpec]:
+    from pagedkv.bench.sharegpt import sample_requests
+
+    specs = []
+    for r in sample_requests(args.num_prompts, seed=args.seed):
+        if max(r.prompt_token_ids) >= args.vocab_size:
+            raise ValueError(
+                f"--dataset sharegpt: token ids go past --vocab-size {args.vocab_size} (the "
+                "embedded tokenizer has 49152)"
+            )
+        specs.append(RequestSpec(list(r.prompt_token_ids), r.output_len))
+    return specs
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ _EXPORTS = {
     "EngineArgs": "pagedkv.engine.arg_utils",
     "SamplingParams": "pagedkv.engine.sampling_params",
     "SamplingType": "pagedkv.engine.sampling_params",
+    "StructuredOutputsParams": "pagedkv.engine.structured.params",
+    "GuidedDecodingParams": "pagedkv.engine.structured.params",
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",
     "Logprob": "pagedkv.engine.outputs",
@@ -34,6 +36,7 @@ _EXPORTS = {
     "ModelConfig": "pagedkv.engine.config",
     "RunnerOutput": "pagedkv.engine.outputs",
     "StepRecord": "pagedkv.engine.step_record",
+    "SeqBlocks": "pagedkv.engine.step_record",
 }
 
 __all__ = ["__version__", *_EXPORTS]

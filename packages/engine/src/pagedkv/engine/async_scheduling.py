@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.distributed.executor import TensorParallelError
 from pagedkv.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -33,7 +34,9 @@ class AsyncScheduling:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.in_flight = None  # (SchedulerOutput, worker.model_runner.InFlightStep)
+        # (SchedulerOutput, worker.model_runner.InFlightStep, the block tables it launched with
+        # when observed: kvblocks' lists grow again when the next step is scheduled ahead)
+        self.in_flight = None
 
     def step(self) -> list[RequestOutput]:
         """Launch the next pass, then apply the one in flight."""
@@ -54,7 +57,11 @@ class AsyncScheduling:
         results += engine.outputs.finished_outside(out.finished, now)
         if not out.is_empty:
             try:
-                self.in_flight = (out, engine.runner.execute_async(out))
+                tables = [tuple(ss.block_table) for ss in out.scheduled] if engine.observed else None
+                self.in_flight = (out, engine.runner.execute_async(out), tables)
+            except TensorParallelError as exc:  # a rank died: no step can run any more
+                engine.fail(exc)
+                raise
             except Exception:
                 if prev is not None:
                     results += self._apply(prev)
@@ -74,15 +81,19 @@ class AsyncScheduling:
         """Wait for a launched step's tokens and apply them. Requests that ended since it was
         launched (aborted, or stopped by the step before) are skipped by `update`."""
         engine = self.engine
-        out, launched = in_flight
+        out, launched, tables = in_flight
         t0 = time.perf_counter()
-        result = launched.result()
+        try:
+            result = launched.result()
+        except TensorParallelError as exc:
+            engine.fail(exc)
+            raise
         samples = result.sampled_token_ids
         t1 = time.perf_counter()
         update = engine.scheduler.update(out, samples)
         t2 = time.perf_counter()
         results = engine.outputs.process(out, result, samples, update, time.time())
         if engine.observed:
-            engine.observe(out, samples, update, results, wait=t1 - t0, update=t2 - t1,
-                           output=time.perf_counter() - t2)
+            engine.observe(out, samples, update, results, tables=tables, wait=t1 - t0,
+                           update=t2 - t1, output=time.perf_counter() - t2)
         return results

@@ -181,6 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as exc:
+        from pagedkv.engine.distributed.executor import TensorParallelError
+
+        if not isinstance(exc, TensorParallelError):
+            raise
+        # a tensor-parallel rank died: say which, and exit non-zero (the workers are stopped)
+        print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,8 +3,15 @@
 Everything a user can get wrong about one request is found here: the prompt (text without a
 tokenizer, empty, token ids outside the vocabulary, longer than the model's context or than the
 whole KV cache) and the sampling parameters' fit with the engine (beam width above
-`max_num_seqs`, stop strings without a tokenizer). A bad request raises `ValueError` naming
-the problem and changes nothing, so the engine keeps serving the others.
+`max_num_seqs`, stop strings, bad words or a grammar without a tokenizer, `logit_bias` or
+`allowed_token_ids` outside the vocabulary, a grammar the tokenizer cannot follow). A bad
+request raises `ValueError` naming the problem and changes nothing, so the engine keeps serving
+the others.
+
+What the runner needs per request is prepared here, once, off the engine's step (the server
+calls `prepare` from a worker thread): `truncate_prompt_tokens` applied, `bad_words` tokenized,
+`allowed_token_ids` as a bitmask row, the grammar's matcher state (`RequestSampling`), and
+`logprobs=-1` / `prompt_logprobs=-1` resolved to the vocabulary size.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.engine.sampling_params import RequestSampling, SamplingParams
+from pagedkv.engine.structured.bitmask import tokens_to_bitmask
 
 
 @dataclass(slots=True)
@@ -30,13 +38,15 @@ class InputProcessor:
     """Validates and tokenizes requests for one engine (its tokenizer, model and KV cache)."""
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, kv_capacity: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, eos_token_ids: Sequence[int] = ()) -> None:
         """`kv_capacity`: token slots of the whole KV cache (blocks x block size)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv_capacity = kv_capacity
         self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._grammars = None  # structured.matchers.GrammarBackend, made on first use
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> PreparedRequest:
         """Validate and tokenize; raises `ValueError` naming the problem, changes nothing."""
@@ -52,7 +62,13 @@ class InputProcessor:
                 "stop strings need a tokenizer, and this engine runs without one "
                 "(--skip-tokenizer-init): use stop_token_ids"
             )
+        self._check_token_ids(params)
         ids, text = self._prompt_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = params.truncate_prompt_tokens
+            if keep == -1:
+                keep = self.max_model_len - 1
+            ids = ids[-keep:]
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; with at least one generated token that is "
@@ -77,7 +93,56 @@ class InputProcessor:
         if params.best_of > params.n and not params.use_beam_search and params.logprobs is None:
             internal = internal.clone() if internal is params else internal
             internal.logprobs = 0  # choosing the best n needs each token's logprob
-        return PreparedRequest(text, ids, params, RequestSampling.of(internal), max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(internal, name) == -1:  # every token of the vocabulary
+                internal = internal.clone() if internal is params else internal
+                setattr(internal, name, self.vocab_size)
+        sampling = RequestSampling.of(
+            internal,
+            structured=self._grammar(params),
+            allowed_bitmask=(tokens_to_bitmask(params.allowed_token_ids, self.vocab_size)
+                             if params.allowed_token_ids is not None else None),
+            bad_words_token_ids=self._bad_words(params),
+        )
+        return PreparedRequest(text, ids, params, sampling, max_tokens)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        v = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            for t in ids:
+                if t >= v:
+                    raise ValueError(
+                        f"{name} has token id {t}, outside the model's vocabulary [0, {v})"
+                    )
+        if self.tokenizer is None and (params.bad_words or params.structured_outputs):
+            raise ValueError(
+                "bad_words and structured outputs need a tokenizer, and this engine runs "
+                "without one (--skip-tokenizer-init); use logit_bias or allowed_token_ids"
+            )
+
+    def _grammar(self, params: SamplingParams):
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            from pagedkv.engine.structured.matchers import GrammarBackend
+
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars.request(params.structured_outputs)
+
+    def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad words: each word as it is (leading spaces dropped), and
+        once more after a space when that gives a different first token but as many tokens
+        (the word in the middle of a text)."""
+        out: list[tuple[int, ...]] = []
+        for word in params.bad_words or ():
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if plain:
+                out.append(plain)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return tuple(out)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -30,8 +30,8 @@ from pagedkv.engine.input_processor import InputProcessor, PreparedRequest
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput, RunnerOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.step_record import ScheduledSeq, StepRecord
-from pagedkv.engine.worker.model_runner import ModelRunner, resolve_device
+from pagedkv.engine.step_record import ScheduledSeq, SeqBlocks, StepRecord
+from pagedkv.engine.worker.model_runner import resolve_device
 from pagedkv.scheduler import AsyncScheduler, RequestParams, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,11 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         # tensor_parallel_size 1: a ModelRunner; more: rank 0 of a tensor-parallel group
         self.runner = make_runner(mc, args, self.device, model=model)
-        # Asynchronous scheduling: only with a runner of this process (not tensor-parallel).
+        # Asynchronous scheduling: on by default on a GPU, with one rank or several (a
+        # tensor-parallel group computes the argmax on every rank, see distributed.executor).
         use_async = args.async_scheduling
         if use_async is None:
             use_async = self.device.type == "cuda"
-        use_async = use_async and isinstance(self.runner, ModelRunner)
         self.scheduler = (AsyncScheduler if use_async else Scheduler)(SchedulerConfig(
             block_size=args.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
@@ -109,11 +109,12 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=mc.vocab_size, max_model_len=mc.max_model_len,
             kv_capacity=self.runner.num_gpu_blocks * args.block_size,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs, eos_token_ids=self.eos_token_ids,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                        self.scheduler.finish_sequence)
         self._observers: list[StepObserver] = []
+        self._table_observers: list[StepObserver] = []  # those that asked for block_tables
         self._num_steps = 0
         self._fatal: TensorParallelError | None = None  # set when a tensor-parallel rank died
         self._async = AsyncScheduling(self) if use_async else None
@@ -157,10 +158,39 @@ class LLMEngine:
         if shutdown is not None:
             shutdown()
 
+    @property
+    def is_healthy(self) -> bool:
+        """Whether the engine can run another step. False for good once a tensor-parallel
+        rank is gone: noticed at once (a monitor thread watches the workers), also while no
+        request runs. Cheap; safe to read from any thread (a server's /health)."""
+        try:
+            self.check_health()
+        except TensorParallelError:
+            return False
+        return True
+
+    def check_health(self) -> None:
+        """Raise `TensorParallelError`, naming the rank that died, when the engine cannot run
+        another step; return quietly otherwise. Safe to call from any thread."""
+        if self._fatal is not None:
+            raise self._fatal
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def fail(self, exc: TensorParallelError) -> None:
+        """Stop the engine for good (a tensor-parallel rank died): every later step raises
+        `exc`."""
+        self._fatal = exc
+
     # ---- requests ---------------------------------------------------------------------------
     def prepare_request(self, prompt: str | Sequence[int], params: SamplingParams) -> PreparedRequest:
         """Validate and tokenize a request without queueing it; raises `ValueError` naming the
         problem and changes nothing (see `input_processor`)."""
+        if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+                and self.args.tensor_parallel_size > 1):
+            raise ValueError("prompt_logprobs is not supported with tensor parallelism yet; "
+                             "run with --tensor-parallel-size 1")
         return self.inputs.prepare(prompt, params)
 
     def add_request(
@@ -187,6 +217,11 @@ class LLMEngine:
         eos = self._primary_eos
         stop_ids = list(p.stop_token_ids or ())
         stop_ids += [t for t in self.eos_token_ids if t != eos and not p.ignore_eos]
+        # Prompt logprobs need the logits of every prompt position: such a request takes no
+        # cached prefix (a key of its own keeps its blocks apart), as in vLLM.
+        extra_key = None
+        if p.prompt_logprobs is not None and self.args.enable_prefix_caching:
+            extra_key = ("prompt_logprobs", request_id)
         group = self.scheduler.add_request(request_id, prep.prompt_token_ids, RequestParams(
             n=p.beam_width if p.use_beam_search else p.best_of,
             max_tokens=prep.max_tokens,
@@ -194,7 +229,7 @@ class LLMEngine:
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
             eos_token_id=eos,
             ignore_eos=p.ignore_eos,
-        ))
+        ), extra_key=extra_key)
         group.sampling = prep.sampling  # read by the runner, never by the scheduler
         self.outputs.add(request_id, prep, group,
                          arrival_time if arrival_time is not None else time.time())
@@ -227,11 +262,25 @@ class LLMEngine:
             num_gpu_blocks=kv.gpu_total, num_cpu_blocks=kv.cpu_total,
         )
 
-    def add_step_observer(self, observer: StepObserver) -> Callable[[], None]:
+    def add_step_observer(
+        self, observer: StepObserver, *, block_tables: bool = False
+    ) -> Callable[[], None]:
         """Call `observer(StepRecord)` after every step that ran a batch; returns a function
-        that removes it. Observers must not change the engine."""
+        that removes it. Observers must not change the engine.
+
+        `block_tables=True`: the records also carry every live sequence's blocks after the step
+        (`StepRecord.block_tables`), a copy of O(blocks in use) per step that only such an
+        observer pays for."""
         self._observers.append(observer)
-        return lambda: self._observers.remove(observer)
+        if block_tables:
+            self._table_observers.append(observer)
+
+        def remove() -> None:
+            self._observers.remove(observer)
+            if observer in self._table_observers:
+                self._table_observers.remove(observer)
+
+        return remove
 
     @property
     def observed(self) -> bool:
@@ -240,7 +289,7 @@ class LLMEngine:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; the `RequestOutput`s of the requests it touched (finished ones,
+        """Run one iteration; the `RequestOutput` of each request it touched (finished ones,
         and with `emit_partial_outputs` the running ones, cumulatively)."""
         if self._fatal is not None:
             raise self._fatal
@@ -279,7 +328,7 @@ class LLMEngine:
         try:
             return self.runner.execute(out)
         except TensorParallelError as exc:
-            self._fatal = exc
+            self.fail(exc)
             raise
         except Exception:
             self.abort_batch(out)
@@ -292,15 +341,19 @@ class LLMEngine:
             self.scheduler.abort(rid)
         self.scheduler.update(out, {})
 
-    def observe(self, out, samples, update, results, /, **timings: float) -> None:
-        """Tell the step observers what the step did (a `StepRecord`)."""
+    def observe(self, out, samples, update, results, /, *, tables=None, **timings: float) -> None:
+        """Tell the step observers what the step did (a `StepRecord`). The first four are
+        positional-only: the timings have the phases' names, `update` among them. `tables`:
+        the scheduled sequences' block tables as the step launched with them (asynchronous
+        scheduling has grown kvblocks' lists for the next step by now); None: read them now."""
         self._num_steps += 1
         sched = self.scheduler
         record = StepRecord(
             step=self._num_steps,
             scheduled=tuple(ScheduledSeq(ss.seq_id, ss.request_id, ss.start, ss.num_tokens,
-                                         ss.is_prefill, ss.do_sample, tuple(ss.block_table))
-                            for ss in out.scheduled),
+                                         ss.is_prefill, ss.do_sample,
+                                         tables[i] if tables is not None else tuple(ss.block_table))
+                            for i, ss in enumerate(out.scheduled)),
             blocks_to_swap_out=tuple(out.blocks_to_swap_out),
             blocks_to_swap_in=tuple(out.blocks_to_swap_in),
             blocks_to_copy=tuple(out.blocks_to_copy),
@@ -313,6 +366,21 @@ class LLMEngine:
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             num_swapped=sched.num_swapped,
             timings=timings,
+            num_free_cpu_blocks=sched.block_manager.cpu_pool.num_free,
+            num_cpu_blocks=sched.config.num_cpu_blocks,
+            block_tables=self._block_tables() if self._table_observers else (),
         )
         for fn in list(self._observers):
             fn(record)
+
+    def _block_tables(self) -> tuple[SeqBlocks, ...]:
+        """Every live sequence's blocks now (running, then swapped groups)."""
+        sched = self.scheduler
+        bm = sched.block_manager
+        return tuple(
+            SeqBlocks(seq.seq_id, group.request_id, bm.num_slots(seq.seq_id),
+                      bm.location(seq.seq_id), tuple(bm.block_table_ref(seq.seq_id)))
+            for group in (*sched.running, *sched.swapped)
+            for seq in group.seqs
+            if not seq.is_finished and bm.has_seq(seq.seq_id)
+        )

@@ -102,6 +102,8 @@ class RequestState:
     metrics: RequestMetrics
     seqs: dict[int, SeqOutputState] = field(default_factory=dict)
     beam: BeamSearch | None = None
+    #: With prompt_logprobs: [None] then one entry per prompt token computed so far.
+    prompt_logprobs: list | None = None
 
 
 class OutputProcessor:
@@ -138,6 +140,8 @@ class OutputProcessor:
         p = prep.params
         if p.use_beam_search:
             st.beam = BeamSearch.from_params(p, self.eos_token_ids, max_tokens=prep.max_tokens)
+        if p.prompt_logprobs is not None:
+            st.prompt_logprobs = [None]
         self._requests[request_id] = st
         self._num_not_argmax += not prep.sampling.argmax_only
 
@@ -234,6 +238,8 @@ class OutputProcessor:
         `samples` is what `Scheduler.update` applied (see `choose`) and `update` its result."""
         requests = self._requests
         touched: dict[str, RequestState] = {}
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
         beam_cum = self._beam_cum
         children = None
@@ -280,6 +286,17 @@ class OutputProcessor:
             elif emit and st.beam is None:
                 results.append(self._output(st, finished=False))
         return results
+
+    def _add_prompt_logprobs(self, chunks) -> None:
+        """Each request's prompt logprobs of this step, in prompt order; positions a recompute
+        computed a second time are skipped."""
+        for rid, (first, lps) in chunks.items():
+            st = self._requests.get(rid)
+            if st is None or st.prompt_logprobs is None:
+                continue
+            have = st.prompt_logprobs
+            if first <= len(have):
+                have.extend(lps[len(have) - first:])
 
     def _append(self, st: RequestState, seq_id: int, seq, tok: int, lp, cum: float | None) -> None:
         """One new token of one sequence: cumulative logprob, logprobs, text, stop strings."""
@@ -337,7 +354,11 @@ class OutputProcessor:
     def _output(self, st: RequestState, finished: bool) -> RequestOutput:
         comps = [self._completion(st, s, finished) for s in st.group.all_seqs()]
         return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
-                             finished, st.metrics)
+                             finished, st.metrics, self._prompt_lp(st))
+
+    @staticmethod
+    def _prompt_lp(st: RequestState) -> list | None:
+        return list(st.prompt_logprobs) if st.prompt_logprobs is not None else None
 
     def _final_output(self, st: RequestState) -> RequestOutput:
         p = st.prep.params
@@ -352,7 +373,7 @@ class OutputProcessor:
                 comps.append(CompletionOutput(i, text, list(h.output_token_ids), h.cum_logprob,
                                               None, h.finish_reason, h.stop_token_id))
             return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps,
-                                 True, st.metrics)
+                                 True, st.metrics, self._prompt_lp(st))
         comps = [self._completion(st, s, True) for s in g.all_seqs()]
         if g.finish_reason is FinishReason.ABORTED or g.finish_reason is FinishReason.REJECTED:
             for c in comps:
@@ -363,7 +384,7 @@ class OutputProcessor:
             for i, c in enumerate(comps):
                 c.index = i
         return RequestOutput(st.request_id, st.prep.prompt, st.prep.prompt_token_ids, comps, True,
-                             st.metrics)
+                             st.metrics, self._prompt_lp(st))
 
 
 def _find_seq(group, seq_id: int):

@@ -1,5 +1,5 @@
 """What the engine hands back for a request: `RequestOutput` with one `CompletionOutput` per
-returned sequence, per-token `Logprob`s and timing `RequestMetrics`.
+returned sequence, per-token `Logprob` values and timing `RequestMetrics`.
 
 Field names and positional order follow vLLM so code written against vLLM reads our outputs.
 Streaming outputs are cumulative: `text` and `token_ids` hold everything generated so far.
@@ -61,12 +61,15 @@ class RunnerOutput:
     sequence per extra token), or none (an empty list drops the sequence). Beam-search
     sequences are absent there: `beam_candidates` holds each one's best next tokens and their
     log-probabilities, from which the engine's beam search picks. `logprobs` holds one entry
-    per sampled token for the requests that asked for them.
+    per sampled token for the requests that asked for them. `prompt_logprobs` holds, per
+    request that asked for them and computed prompt positions in this step, the index of the
+    first prompt token predicted and one `PositionLogprobs` per prompt token from there.
     """
 
     sampled_token_ids: dict[int, list[int]]
     logprobs: dict[int, list[TokenLogprobs]] | None = None
     beam_candidates: dict[int, tuple[list[int], list[float]]] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] | None = None
 
 
 @dataclass(slots=True)
@@ -124,5 +127,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    #: With `SamplingParams.prompt_logprobs`: per prompt token its logprob and rank and the
+    #: top-N alternatives, None for the first token (nothing predicts it), as vLLM.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int | None = field(default=None)

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
+
+from pagedkv.engine.structured.params import StructuredOutputsParams
 
 #: Temperatures below this are greedy (argmax), like vLLM.
 SAMPLING_EPS = 1e-5
 
-#: Most top-N alternatives a request may ask for per token (`logprobs`, `prompt_logprobs`).
+#: Most top-N alternatives a request may ask for per token (`logprobs`, `prompt_logprobs`);
+#: -1 asks for the whole vocabulary.
 MAX_LOGPROBS = 20
+
+#: Largest absolute bias in `logit_bias` (OpenAI's range, -100 to 100).
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(IntEnum):
@@ -46,7 +53,16 @@ class SamplingParams:
     means "until the model's context is full" (the engine caps it). `stop` strings end the
     text (the stop string itself is cut unless `include_stop_str_in_output`);
     `stop_token_ids` end it like EOS. `logprobs=N` returns the sampled token's log-probability
-    and the N most likely alternatives of the model's raw distribution.
+    and the N most likely alternatives of the model's raw distribution (-1: every token).
+
+    Logits processing, in vLLM's order: `structured_outputs` (a grammar: `StructuredOutputsParams`;
+    `guided_decoding` is vLLM's older name), `allowed_token_ids` (every other token masked) and
+    `bad_words` (a word's last token is masked when the tokens before it end the output so
+    far) as one token mask; `min_tokens`; `logit_bias` (token id -> bias added to its logit, in
+    [-100, 100]); the penalties; then temperature, top-k, top-p, min-p. `prompt_logprobs=N`
+    returns, per prompt token, its logprob and the N most likely alternatives (the first
+    position is None). `truncate_prompt_tokens=k` keeps the last k prompt tokens (-1: as many
+    as the model's context allows).
     """
 
     n: int = 1
@@ -67,6 +83,12 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -93,6 +115,7 @@ class SamplingParams:
                 f"stop_token_ids must be a list of token ids, got {type(stop_ids).__name__}"
             )
         self._validate(stop_list, list(stop_ids))
+        self._validate_processing()
         self.stop = stop_list
         self.stop_token_ids = list(stop_ids)
         if self.best_of is None:
@@ -152,9 +175,10 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not (0 <= v <= MAX_LOGPROBS)):
+            if v is not None and (not _is_int(v) or not (-1 <= v <= MAX_LOGPROBS)):
                 raise ValueError(
-                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}"
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}], -1 (every token) or "
+                    f"None, got {v!r}"
                 )
         for s in stop:
             if not isinstance(s, str) or not s:
@@ -203,6 +227,65 @@ class SamplingParams:
                     f"best_of={best_of}: the copies would be identical; set temperature > 0"
                 )
 
+    def _validate_processing(self) -> None:
+        """The token-level controls: logit_bias, allowed_token_ids, bad_words,
+        truncate_prompt_tokens, structured outputs. Normalises them to fresh containers."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    "logit_bias must be a dict token id -> bias, got "
+                    f"{type(self.logit_bias).__name__}"
+                )
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}"
+                    )
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids:
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}"
+                )
+            for t in ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(
+                        f"allowed_token_ids must be token ids (integers >= 0), got {t!r}"
+                    )
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not isinstance(words, list | tuple):
+                raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+            for w in words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words must be non-blank strings, got {w!r}")
+            self.bad_words = list(words)
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t == -1 or t >= 1)):
+            raise ValueError(
+                f"truncate_prompt_tokens must be an integer >= 1, -1 (the model's context) or "
+                f"None, got {t!r}"
+            )
+        so, gd = self.structured_outputs, self.guided_decoding
+        if so is not None and gd is not None and so is not gd:
+            raise ValueError("give structured_outputs or guided_decoding (its old name), not both")
+        so = so if so is not None else gd
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                f"got {type(so).__name__}"
+            )
+        self.structured_outputs = self.guided_decoding = so
+
     # ---- derived values -------------------------------------------------------------------
 
     @property
@@ -233,6 +316,15 @@ class SamplingParams:
         )
 
     @property
+    def needs_token_mask(self) -> bool:
+        """Whether some tokens are masked per row (a grammar, allowed_token_ids, bad_words)."""
+        return (
+            self.structured_outputs is not None
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
+
+    @property
     def output_text_buffer_length(self) -> int:
         """Most characters streaming may hold back while a stop string could still be forming."""
         if not self.stop or self.include_stop_str_in_output:
@@ -254,21 +346,41 @@ class SamplingParams:
 class RequestSampling:
     """How the runner samples one queued request: the parameters it samples with (which may
     ask for more than the user did, e.g. logprobs to rank `best_of` samples) and whether an
-    argmax is all it needs (greedy, one sequence, no logprobs, penalties or min_tokens), so a
-    batch of only such requests takes the argmax path without building a sampling batch.
+    argmax is all it needs (greedy, one sequence, no logprobs, penalties, min_tokens, logit
+    bias, token masks or prompt logprobs), so a batch of only such requests takes the argmax
+    path without building a sampling batch (and may be scheduled asynchronously).
+
+    What the input processor prepared once for the token mask travels with it:
+    `structured` (the request's grammar matchers, `structured.matchers.StructuredRequest`),
+    `allowed_bitmask` (a host bitmask row of `allowed_token_ids`) and `bad_words_token_ids`.
 
     The engine attaches it to the scheduler's sequence group (`SequenceGroup.sampling`); the
     scheduler never reads it."""
 
     params: SamplingParams
     argmax_only: bool
+    structured: Any = None
+    allowed_bitmask: Any = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def needs_token_mask(self) -> bool:
+        return (self.structured is not None or self.allowed_bitmask is not None
+                or bool(self.bad_words_token_ids))
 
     @classmethod
-    def of(cls, params: SamplingParams) -> RequestSampling:
+    def of(cls, params: SamplingParams, *, structured: Any = None, allowed_bitmask: Any = None,
+           bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> RequestSampling:
         return cls(params, (
             params.sampling_type == SamplingType.GREEDY
             and params.best_of == 1
             and params.logprobs is None
+            and params.prompt_logprobs is None
             and params.min_tokens == 0
             and not params.needs_penalties
-        ))
+            and not params.logit_bias
+            and not params.needs_token_mask
+            and structured is None
+            and allowed_bitmask is None
+            and not bad_words_token_ids
+        ), structured, allowed_bitmask, tuple(bad_words_token_ids))

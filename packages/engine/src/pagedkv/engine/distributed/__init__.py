@@ -10,8 +10,11 @@ scheduler, on rank 0 (the *driver*), drives all ranks with the same block tables
 * `communication`: what the model layers use: `TPInfo` (a layer's rank, size and group) and
   the collectives (identity when the size is 1). The model code imports nothing else from here.
 * `executor`: what `LLMEngine` drives: the plain `ModelRunner` at size 1, else a
-  `TensorParallelRunner` that starts the workers and broadcasts each step.
+  `TensorParallelRunner` that starts the workers, sends each step and watches the workers.
+* `step_message`: a step as one int64 tensor, block tables as changes (`StepEncoder` on the
+  driver, `StepDecoder` on every worker).
 * `worker`: the loop of ranks > 0 (spawned by the driver, or started by `torchrun`).
+* `heartbeat`: how rank 0 tells which `torchrun`-started rank is gone.
 
 Nothing here is imported by the engine at size 1 beyond `executor.make_runner`.
 """

@@ -55,3 +55,40 @@ def gather_last_dim(x: torch.Tensor, tp: TPInfo | None) -> torch.Tensor | None:
         return torch.cat(parts, dim=-1)
     dist.gather(x, gather_list=None, dst=0, group=tp.group)
     return None
+
+
+def argmax_over_ranks(local_logits: torch.Tensor, vocab_start: int, tp: TPInfo | None) -> torch.Tensor:
+    """The argmax over the whole vocabulary of logits split by vocabulary slices (this rank's
+    ``local_logits [N, slice]`` start at token id ``vocab_start``), on every rank alike.
+
+    Each rank reduces its slice to (largest logit, its token id) per row and an all-gather
+    exchanges those two numbers: ``2 * N`` values per rank instead of the whole vocabulary's
+    logits. Ties go to the lowest token id, as ``torch.argmax`` of the gathered logits does, so
+    the result is that argmax exactly. Entries past the vocabulary (padding) must be ``-inf``."""
+    mine = slice_best(local_logits, vocab_start)
+    if tp is None or tp.size == 1:
+        return mine[1].long()
+    both = mine.new_empty((tp.size * 2, mine.shape[1]))  # the ranks' pairs, one after another
+    _all_gather_single(both, mine, tp.group)
+    return pick_best(both.view(tp.size, 2, -1))
+
+
+def slice_best(local_logits: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """``[2, N]`` float64: per row the largest logit of the slice and its token id (the first
+    one where several are equal); both exact in float64."""
+    values, index = local_logits.max(dim=-1)
+    return torch.stack((values.double(), (index + vocab_start).double()))
+
+
+def pick_best(pairs: torch.Tensor) -> torch.Tensor:
+    """Token ids (int64) from the ranks' ``slice_best`` pairs ``[ranks, 2, N]``, ranks in
+    vocabulary order: the largest logit, the lowest rank (so the lowest id) among equals."""
+    best = pairs[:, 0].argmax(dim=0)  # the first largest
+    return pairs[:, 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """``out[r] = x`` of rank r (``all_gather_single`` since torch 2.13, before it
+    ``all_gather_into_tensor``)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)

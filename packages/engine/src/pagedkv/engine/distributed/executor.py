@@ -2,19 +2,22 @@
 
 :func:`make_runner` returns the plain :class:`~pagedkv.engine.worker.model_runner.ModelRunner`
 for ``tensor_parallel_size == 1`` (the engine's hot path is unchanged), else a
-:class:`TensorParallelRunner` with the same interface (``execute``, ``num_gpu_blocks``,
-``num_cpu_blocks``, ``max_num_batched_tokens``) that:
+:class:`TensorParallelRunner` with the same interface (``execute``, ``execute_async``,
+``num_gpu_blocks``, ``num_cpu_blocks``, ``max_num_batched_tokens``) that:
 
 1. checks that the model can be split that way (a ``ValueError`` before anything starts);
 2. spawns ``N - 1`` worker processes (or, under ``torchrun``, finds them started), joins them in
    one process group, and loads rank 0's shard beside theirs; the KV cache gets the smallest
    number of blocks that fits on every rank;
-3. per step, broadcasts the batch (a ``StepBatch``: block operations, token ids, first
-   positions and block tables of the sequences, which of them sample) to the workers, then
-   runs rank 0's share itself; the logits are gathered on rank 0, which samples;
+3. per step, broadcasts the batch to the workers as one int64 tensor (token ids, positions,
+   block operations, and only the block-table entries that changed: `step_message`), then
+   runs rank 0's share itself. A batch of plain greedy requests ends with the argmax computed
+   alike on every rank from its vocabulary slice, so the tokens stay on every device and the
+   next step can launch before the host has seen them (asynchronous scheduling,
+   ``execute_async``); any other batch gathers the logits on rank 0, which samples;
 4. watches the workers: a worker that exits, or a collective that fails or times out, ends the
    engine with a :class:`TensorParallelError` naming the rank and its exit code, and stops the
-   other workers, instead of hanging.
+   other workers, instead of hanging; ``check_health`` says so at once, also between steps.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import torch
 
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.distributed.heartbeat import SILENCE as HEARTBEAT_SILENCE
+from pagedkv.engine.distributed.heartbeat import HeartbeatWatcher
 from pagedkv.engine.distributed.parallel_state import (
     ParallelContext,
     apply_nccl_env,
@@ -42,17 +47,24 @@ from pagedkv.engine.distributed.parallel_state import (
     rank_device,
     torchrun_env,
 )
+from pagedkv.engine.distributed.step_message import (
+    Kind,
+    Mode,
+    StepEncoder,
+    StepMessage,
+    control_message,
+    send_message,
+)
 from pagedkv.engine.distributed.worker import (
-    CALL,
     JOINED_KEY,
-    STOP,
     build_rank_runner,
     run_torchrun_worker,
     spawned_worker_main,
 )
 from pagedkv.engine.outputs import RunnerOutput
-from pagedkv.engine.worker.inputs import step_batch
-from pagedkv.engine.worker.model_runner import ModelRunner
+from pagedkv.engine.worker.inputs import StepBatch, step_batch
+from pagedkv.engine.worker.model_runner import InFlightStep, ModelRunner, PendingTokens
+from pagedkv.engine.worker.sampling import BatchSampler
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +111,7 @@ class _Workers:
         self.ctx: ParallelContext | None = None
         self.release_graphs: Callable[[], None] | None = None  # the driver's runner's
         self.failure: tuple[int, int | None, int | None] | None = None  # rank, pid, exit code
+        self.heartbeats: HeartbeatWatcher | None = None  # torchrun: ranks not our children
         self.stopping = threading.Event()
         self.closed = False
         self._lock = threading.Lock()
@@ -151,6 +164,21 @@ class _Workers:
                 self.failure = (rank, proc.pid, proc.exitcode)
                 logger.error("%s", self.describe_failure())
                 self._unblock_driver()
+                self._stop_survivors()
+
+    def watch_heartbeats(self, world_size: int) -> None:
+        """Ranks started by torchrun: watch their heartbeats (see `heartbeat`)."""
+        try:
+            self.heartbeats = HeartbeatWatcher(list(range(1, world_size)), self._silent)
+        except Exception as exc:  # no store to watch: a failure will not name its rank
+            logger.warning("cannot watch the workers' heartbeats: %s", exc)
+
+    def _silent(self, rank: int) -> None:
+        if self.stopping.is_set() or self.failure is not None:
+            return
+        self.failure = (rank, None, None)
+        logger.error("%s", self.describe_failure())
+        self._unblock_driver()
 
     def _unblock_driver(self) -> None:
         """A driver waiting in an NCCL collective for a dead rank would wait until the
@@ -165,10 +193,23 @@ class _Workers:
         except Exception as exc:  # best effort: the collective timeout is the fallback
             logger.warning("could not abort the NCCL communicators: %s", exc)
 
+    def _stop_survivors(self) -> None:
+        """One rank gone breaks the group for good: stop the others now (they may wait for a
+        message that never comes), without waiting for the driver's next step."""
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+
     def describe_failure(self) -> str:
         if self.failure is None:
             return ""
         rank, pid, code = self.failure
+        if pid is None:
+            return (
+                f"tensor-parallel rank {rank} stopped responding (no heartbeat for "
+                f"{HEARTBEAT_SILENCE:.0f} s: its process died or its machine is unreachable); "
+                "the engine is stopped"
+            )
         if code is None:
             how = "stopped responding"
         elif code < 0:
@@ -186,9 +227,34 @@ class _Workers:
         fails a moment before the dead process is reaped)."""
         deadline = time.monotonic() + seconds
         while self.failure is None and time.monotonic() < deadline:
-            if not any(p.is_alive() for p in self.procs.values()):
-                break
+            if self.procs and not any(p.is_alive() for p in self.procs.values()):
+                break  # all reaped: the monitor has said what it will say
+            if not self.procs and self.heartbeats is None:
+                break  # nothing watches torchrun's ranks
             time.sleep(0.02)
+
+    def while_watching(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, run in a helper thread while this one watches the workers: a worker that
+        dies meanwhile raises `TensorParallelError` at once, leaving ``fn`` behind (it fails
+        by its own timeout)."""
+        box: list[Any] = []
+
+        def call() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:
+                box.append((False, exc))
+
+        thread = threading.Thread(target=call, name="pagedkv-tp-start", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if self.failure is not None:
+                raise TensorParallelError(self.describe_failure())
+            thread.join(0.02)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def wait_joined(self, store: Any, timeout_s: float) -> None:
         """Wait until every worker has reached the rendezvous, failing fast if one dies first
@@ -213,10 +279,12 @@ class _Workers:
                 return
             self.closed = True
         self.stopping.set()
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
         ctx = self.ctx
         if graceful and ctx is not None and self.failure is None:
             try:
-                ctx.broadcast_object((STOP,))
+                send_message(control_message(Kind.STOP), ctx.cpu_group)
                 # Every rank leaves the groups at the same time: NCCL's teardown waits for the
                 # peers, so the driver must not first wait for the workers to exit.
                 if self.release_graphs is not None:
@@ -255,6 +323,7 @@ class TensorParallelRunner:
         self.world_size = tp
         self._workers = _Workers()
         self._error: TensorParallelError | None = None
+        self._encoder = StepEncoder()
         launch = torchrun_env()
         timeout_s = float(args.distributed_timeout)
         try:
@@ -275,9 +344,14 @@ class TensorParallelRunner:
                 )
                 self._workers.spawn(tp, store.port, device, model_config, args)
                 self._workers.wait_joined(store, timeout_s)
-                ctx = ParallelContext.init(
-                    0, tp, rank_device(device, 0), timeout_s=timeout_s, store=store
-                )
+                rank0 = rank_device(device, 0)
+                if rank0.type == "cuda":
+                    torch.cuda.set_device(rank0)
+                # A worker that dies now would leave the rendezvous waiting for it until the
+                # timeout: wait for it in another thread, watching the workers meanwhile.
+                ctx = self._workers.while_watching(lambda: ParallelContext.init(
+                    0, tp, rank0, timeout_s=timeout_s, store=store
+                ))
             else:
                 ctx = ParallelContext.init(
                     launch.rank,
@@ -286,6 +360,7 @@ class TensorParallelRunner:
                     timeout_s=timeout_s,
                     init_method="env://",
                 )
+                self._workers.watch_heartbeats(tp)
             self._workers.ctx = ctx
             self.ctx = ctx
             self.local = build_rank_runner(ctx, model_config, args)
@@ -343,12 +418,57 @@ class TensorParallelRunner:
         return self.local.step_gpu_events
 
     # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
     def execute(self, out) -> RunnerOutput:
-        """Run one scheduled step on every rank (each runs the same `StepBatch`); rank 0
-        samples from the gathered logits."""
+        """Run one scheduled step on every rank. A batch of plain greedy requests ends with
+        the argmax computed alike on every rank (`Mode.TOKENS`, no logits gathered); any
+        other gathers the logits on rank 0, which samples."""
         batch = step_batch(out)
-        logits = self._run("run", (batch,), {})
-        return self.local.sample(out, batch.sample_idx, logits)
+        plain, plan = self.local.plan_logits(out, batch)
+        if plan is not None:  # refused when the request is prepared (see LLMEngine)
+            raise ValueError("prompt_logprobs is not supported with tensor parallelism yet")
+        if plain:
+            seqs = out.seqs
+            if len(batch.sample_idx) != len(seqs):
+                seqs = [seqs[k] for k in batch.sample_idx]
+            return self._guard(lambda: BatchSampler.argmax_output(
+                seqs, self._launch(out, batch, Mode.TOKENS).tolist()))
+        return self._guard(lambda: self.local.sample(
+            out, batch.sample_idx, self._launch(out, batch, Mode.LOGITS), plain=False))
+
+    @torch.inference_mode()
+    def execute_async(self, out) -> InFlightStep:
+        """Launch one plain greedy step on every rank without waiting for it (asynchronous
+        scheduling, see `ModelRunner.execute_async`). Every rank computes the argmax alike
+        and keeps it on its device, where the next step's pending tokens read it: the sampled
+        tokens reach the workers without passing through the host."""
+        batch = step_batch(out)
+        pending = self.local.pending_tokens(batch)
+
+        def launch() -> InFlightStep:
+            tokens = self._launch(out, batch, Mode.TOKENS, pending)
+            return self.local.in_flight(out, batch, tokens)
+
+        return _CheckedInFlight(self, self._guard(launch))
+
+    def _launch(
+        self, out, batch: StepBatch, mode: Mode, pending: PendingTokens | None = None
+    ) -> torch.Tensor | None:
+        """Send the step to the workers, then run rank 0's share of it."""
+        rows, sources = (pending.rows, pending.sources) if pending is not None else ([], [])
+        seq_ids = [ss.seq_id for ss in out.scheduled]
+        send_message(self._encoder.encode(batch, seq_ids, mode, rows, sources), self.ctx.cpu_group)
+        return self.local.run_step(StepMessage(0, mode, batch, rows, sources))
+
+    def rank_stats(self) -> list[dict[str, int]]:
+        """What each rank has run, by rank (`RankRunner.stats`): steps, CUDA-graph replays,
+        eager passes. Every rank runs every step the same way, so these agree."""
+
+        def collect() -> list[dict[str, int]]:
+            send_message(control_message(Kind.STATS), self.ctx.cpu_group)
+            return self.ctx.gather_object(self.local.stats())
+
+        return self._guard(collect)
 
     def __getattr__(self, name: str) -> Any:
         """Other `ModelRunner` attributes read rank 0's; a method would run on rank 0 only,
@@ -364,31 +484,28 @@ class TensorParallelRunner:
             )
         return value
 
-    def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
-        if self._error is not None:
-            raise self._error
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (work that involves every rank) unless the group is broken; any failure
+        in it breaks the group for good (see `_fail`)."""
         if self._workers.failure is not None:
             raise self._fail(None)
-        if self._workers.closed:
-            raise TensorParallelError("the tensor-parallel engine was shut down; start a new one")
+        self.check_health()
         try:
-            self.ctx.broadcast_object((CALL, method, args, kwargs))
-            result = getattr(self.local, method)(*args, **kwargs)
-            if self.device.type == "cuda":
-                # The step's collectives are done only when the stream is; a dead peer shows here
-                # (the monitor aborts the communicators) rather than as garbage logits later.
-                torch.cuda.current_stream(self.device).synchronize()
+            result = fn()
         except BaseException as exc:  # Ctrl-C too: the workers cannot be left mid-step
             error = self._fail(exc)
             if isinstance(exc, Exception):
                 raise error from exc
             raise
         if self._workers.failure is not None:
+            # A collective with a dead peer may have returned garbage (NCCL aborted).
             raise self._fail(None)
         return result
 
     def _fail(self, exc: BaseException | None) -> TensorParallelError:
         """Stop every rank and remember why: the ranks can no longer be kept in step."""
+        if self._error is not None:
+            return self._error
         if exc is not None:
             self._workers.wait_for_failure(5.0)
         reason = self._workers.describe_failure()  # the monitor has logged it
@@ -410,4 +527,30 @@ class TensorParallelRunner:
 
     @property
     def is_alive(self) -> bool:
+        """Whether every rank is there to run the next step (cheap: the monitor notices a
+        worker's exit at once, also while the engine idles)."""
         return self._error is None and self._workers.failure is None and not self._workers.closed
+
+    def check_health(self) -> None:
+        """Raise `TensorParallelError` (naming the rank that died) when the group cannot run
+        another step; return quietly otherwise. Safe to call from any thread."""
+        if self._error is not None:
+            raise self._error
+        if self._workers.failure is not None:
+            raise TensorParallelError(self._workers.describe_failure())
+        if self._workers.closed:
+            raise TensorParallelError("the tensor-parallel engine was shut down; start a new one")
+
+
+class _CheckedInFlight:
+    """An `InFlightStep` of a tensor-parallel step: waiting for its tokens also checks that
+    every rank is still there (a dead peer can make an aborted collective finish early)."""
+
+    __slots__ = ("_inner", "_runner")
+
+    def __init__(self, runner: TensorParallelRunner, inner: InFlightStep) -> None:
+        self._runner = runner
+        self._inner = inner
+
+    def result(self) -> RunnerOutput:
+        return self._runner._guard(self._inner.result)

@@ -5,8 +5,8 @@ Two groups span the same ranks:
 * the *device group* (the default process group): NCCL on CUDA, gloo on the CPU. The model's
   all-reduces and the logits gather run on it, with `distributed_timeout` seconds per collective,
   so a rank that stops answering brings the others down instead of hanging them.
-* the *CPU group* (gloo): the driver broadcasts each step's small Python message over it. Its
-  timeout is long, because a worker waits on it for the next step however long the engine idles;
+* the *CPU group* (gloo): the driver broadcasts each step's message over it (a flat int64
+  tensor, `step_message`). Its timeout is long, because a worker waits on it for the next step however long the engine idles;
   a dead peer still shows at once (gloo sees the closed connection).
 
 The state lives in one explicit :class:`ParallelContext` object (torch.distributed itself keeps
@@ -143,11 +143,12 @@ class ParallelContext:
         logger.info("rank %d of %d joined (%s on %s)", rank, world_size, backend, device)
         return cls(rank, world_size, device, timeout_s, cpu_group)
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj`` on every rank (pickled, over the CPU group)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Rank 0: every rank's ``obj``, by rank (pickled, over the CPU group); others: None.
+        For rare messages (statistics), never per step."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
+        return out
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over all ranks (over the CPU group)."""

@@ -2,9 +2,11 @@
 
 Every rank, the driver included, builds a :class:`RankRunner` (a `ModelRunner` over its shard,
 whose KV cache holds its share of the KV heads). Ranks > 0 then run :func:`serve`: receive the
-driver's message for each step over the CPU group and run it (`ModelRunner.run`: block swaps
-and copies, the forward pass with its collectives), until the driver says stop. They never
-sample: the logits are gathered on the driver, which samples.
+driver's message for each step over the CPU group (a flat int64 tensor, see `step_message`),
+and run it (`RankRunner.run_step`: block swaps and copies, the forward pass with its
+collectives), until the driver says stop. A step either gathers its logits on the driver, which
+samples, or (plain greedy requests) ends with the argmax computed alike on every rank, which
+keeps the tokens on the device for the next step (asynchronous scheduling).
 
 Workers start in one of two ways:
 
@@ -17,6 +19,7 @@ Workers start in one of two ways:
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -27,9 +30,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.distributed.communication import argmax_over_ranks
+from pagedkv.engine.distributed.heartbeat import start_beating
 from pagedkv.engine.distributed.parallel_state import (
     ParallelContext,
     check_tensor_parallel,
@@ -37,16 +43,19 @@ from pagedkv.engine.distributed.parallel_state import (
     rank_model_config,
     torchrun_env,
 )
+from pagedkv.engine.distributed.step_message import (
+    Kind,
+    Mode,
+    StepDecoder,
+    StepMessage,
+    message_kind,
+    recv_message,
+)
 from pagedkv.engine.model_loader import load_model
-from pagedkv.engine.worker.model_runner import ModelRunner, resolve_device
+from pagedkv.engine.worker.model_runner import ModelRunner, PendingTokens, resolve_device
 
 logger = logging.getLogger(__name__)
 
-# Messages from the driver, over the CPU group: (CALL, method, args, kwargs) makes the same
-# call on this rank's runner as on the driver's, for the methods in FORWARDED; (STOP,) ends.
-CALL = "call"
-STOP = "stop"
-FORWARDED = frozenset({"run"})
 JOINED_KEY = "pagedkv/worker_joined/{rank}"
 
 
@@ -56,10 +65,52 @@ class RankRunner(ModelRunner):
 
     def __init__(self, ctx: ParallelContext, *args: Any, **kwargs: Any) -> None:
         self.ctx = ctx
+        self.steps = 0
+        self.steps_with_pending = 0  # steps whose input tokens came from the device
         super().__init__(*args, **kwargs)
+        head = getattr(self.model, "lm_head", None)
+        self._head = self.model.embed_tokens if head is None else head
 
     def _num_blocks_that_fit(self) -> int:
         return self.ctx.min_int(super()._num_blocks_that_fit())
+
+    def run_step(self, msg: StepMessage) -> torch.Tensor | None:
+        """Run one step as every rank runs it (the driver too). `Mode.LOGITS`: the logits of
+        the sampling rows on the driver, None elsewhere. `Mode.TOKENS`: their argmax ids on
+        every rank, kept for the pending tokens of the next step."""
+        pending = None
+        if msg.pending_rows:
+            pending = PendingTokens(msg.pending_rows, msg.pending_sources, self._last_tokens)
+            self.steps_with_pending += 1
+        self.steps += 1
+        if msg.mode == Mode.TOKENS:
+            tokens = self.run(msg.batch, pending, greedy=True)
+            self._last_tokens = tokens
+            return tokens
+        if pending is not None:
+            raise RuntimeError("pending tokens need a step of greedy tokens before them")
+        return self.run(msg.batch)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of the whole vocabulary on every rank, from this rank's vocabulary slice
+        of the logits (`communication.argmax_over_ranks`): no rank gathers the logits."""
+        if self.ctx.world_size == 1:
+            return super().greedy_tokens(hidden)
+        head = self._head
+        local = F.linear(hidden, head.weight)
+        valid = head.vocab_end - head.vocab_start
+        if valid < local.shape[-1]:
+            local[:, valid:] = float("-inf")  # the padding rows of the last slice
+        return argmax_over_ranks(local, head.vocab_start, self.ctx.tp)
+
+    def stats(self) -> dict[str, int]:
+        """What this rank ran: steps (and those that read pending tokens on the device),
+        CUDA-graph replays and eager passes, captured graphs, KV blocks."""
+        return {"rank": self.ctx.rank, "steps": self.steps,
+                "steps_with_pending": self.steps_with_pending,
+                "graph_replays": self.graph_replays, "eager_passes": self.eager_passes,
+                "num_graphs": len(self.graphs.graphs) if self.graphs is not None else 0,
+                "num_gpu_blocks": self.num_gpu_blocks}
 
 
 def build_rank_runner(
@@ -87,21 +138,26 @@ def build_rank_runner(
     return runner
 
 
-def serve(ctx: ParallelContext, runner: ModelRunner) -> None:
+@torch.inference_mode()
+def serve(ctx: ParallelContext, runner: RankRunner) -> None:
     """Execute the driver's steps until it says stop."""
-    steps = 0
+    decoder = StepDecoder()
+    # As the driver's engine does: a full collection walks every object torch and the model
+    # created, a stall of the whole group; what lives now lives as long as the loop.
+    gc.collect()
+    gc.freeze()
     while True:
-        msg = ctx.broadcast_object()
-        kind = msg[0]
-        if kind == CALL and msg[1] in FORWARDED:
-            getattr(runner, msg[1])(*msg[2], **msg[3])
-            steps += 1
-        elif kind == STOP:
-            logger.info("rank %d: the driver stopped the engine after %d steps", ctx.rank, steps)
+        header, payload = recv_message(ctx.cpu_group)
+        kind = message_kind(header)
+        if kind == Kind.STEP:
+            runner.run_step(decoder.decode(header, payload))
+        elif kind == Kind.STATS:
+            ctx.gather_object(runner.stats())
+        elif kind == Kind.STOP:
+            logger.info("rank %d: the driver stopped the engine after %d steps", ctx.rank,
+                        runner.steps)
             runner.release_graphs()
             return
-        else:
-            raise RuntimeError(f"rank {ctx.rank}: unknown message {kind!r} from the driver")
 
 
 def _setup_logging(rank: int, level: int) -> None:
@@ -191,9 +247,12 @@ def run_torchrun_worker(args: EngineArgs, model_config: ModelConfig | None = Non
         timeout_s=args.distributed_timeout,
         init_method="env://",
     )
+    beating = start_beating(launch.rank)  # how rank 0 tells that this rank is gone
     try:
         serve(ctx, build_rank_runner(ctx, model_config, args))
     finally:
+        if beating is not None:
+            beating.set()
         ctx.destroy()
     return 0
 

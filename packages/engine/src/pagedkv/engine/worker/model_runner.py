@@ -6,8 +6,10 @@ sampled tokens.
 1. swap and copy blocks as the scheduler planned (swap out, swap in, copy-on-write);
 2. build the flat batch — token ids, positions, slot mapping, block tables, per-sequence
    lengths — for the mixed prefill/decode batch (a decode batch replays a CUDA graph);
-3. run the model once and compute the logits of the sequences that sample;
-4. sample (an argmax for plain greedy batches) and hand the token ids back to the host.
+3. run the model once and compute the logits of the sequences that sample (and of the prompt
+   positions of requests that asked for `prompt_logprobs`);
+4. sample (an argmax for plain greedy batches; otherwise the token masks are computed on the
+   host first, while the forward pass still runs on a GPU) and hand the token ids back.
 
 ``execute_async`` is the same pass for asynchronous scheduling: it returns at once with an
 `InFlightStep` whose `result()` waits for the tokens, and a sequence scheduled ahead of its last
@@ -29,9 +31,10 @@ from pagedattn_kernels import copy_blocks, swap_blocks
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.model_loader import load_model
-from pagedkv.engine.outputs import RunnerOutput
+from pagedkv.engine.outputs import PositionLogprobs, RunnerOutput
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, step_batch
+from pagedkv.engine.worker.sampler import prompt_logprobs
 from pagedkv.engine.worker.sampling import BatchSampler
 from pagedkv.engine.worker.staging import host_tensor
 
@@ -63,6 +66,45 @@ class PendingTokens:
         src = host_tensor(self.sources).to(dev, non_blocking=True)
         dst = host_tensor(self.rows).to(dev, non_blocking=True)
         input_ids.index_copy_(0, dst, self.tokens.index_select(0, src))
+
+
+@dataclass(slots=True)
+class PromptLogprobPlan:
+    """Prompt positions of this step whose logits are wanted (`SamplingParams.prompt_logprobs`):
+    flat token `rows` of the forward pass, and per request (request id, index of the first
+    prompt token predicted, the prompt tokens predicted, top-N asked)."""
+
+    rows: list[int]
+    parts: list[tuple[str, int, list[int], int]]
+
+
+def prompt_logprob_plan(out, seqs_to_check) -> PromptLogprobPlan | None:
+    """The plan of a `SchedulerOutput`: for every scheduled chunk of a request with
+    `prompt_logprobs` (its first live sequence only: siblings recomputed after a preemption
+    share the prompt), positions p of the chunk with p + 1 inside the prompt predict prompt
+    token p + 1. Chunked prefill gives each chunk's share; a recomputed prompt gives them again
+    (the output processor keeps the first). `seqs_to_check` False: nothing to look for."""
+    if not seqs_to_check:
+        return None
+    rows: list[int] = []
+    parts: list[tuple[str, int, list[int], int]] = []
+    offset = 0
+    for ss, seq in zip(out.scheduled, out.seqs):
+        first = offset
+        offset += ss.num_tokens
+        if not ss.is_prefill:
+            continue
+        g = seq.group
+        num = g.sampling.params.prompt_logprobs
+        if num is None or not g.seqs or seq is not g.seqs[0]:
+            continue
+        start = ss.start
+        end = min(start + ss.num_tokens, seq.prompt_len - 1)
+        if start >= end:
+            continue
+        rows.extend(range(first, first + end - start))
+        parts.append((ss.request_id, start + 1, seq.token_ids[start + 1 : end + 1], num))
+    return PromptLogprobPlan(rows, parts) if rows else None
 
 
 @dataclass(slots=True)
@@ -108,13 +150,18 @@ class ModelRunner:
         # the GPU waited for the host.
         self.step_gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._span_start: torch.cuda.Event | None = None
+        # Forward passes so far, by how they ran: a decode batch replaying a captured CUDA
+        # graph, or eagerly (tests check that graphs are replayed, on every rank).
+        self.graph_replays = 0
+        self.eager_passes = 0
 
         torch.manual_seed(args.seed)
         self.model = model if model is not None else load_model(
             model_config, load_format=args.load_format, device=device, dtype=self.dtype,
             seed=args.seed,
         )
-        self.sampler = BatchSampler(device, sorted(model_config.eos_token_ids), args.seed)
+        self.sampler = BatchSampler(device, sorted(model_config.eos_token_ids), args.seed,
+                                    model_config.vocab_size)
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not args.enforce_eager:
@@ -232,19 +279,55 @@ class ModelRunner:
         """Run one scheduled step (a `pagedkv.scheduler.SchedulerOutput`): block operations,
         the forward pass, sampling. Returns the sampled token ids per sequence."""
         batch = step_batch(out)
-        logits = self.run(batch)
-        return self.sample(out, batch.sample_idx, logits)
+        plain, plan = self.plan_logits(out, batch)
+        logits = self.run(batch, prompt_rows=plan.rows if plan is not None else None)
+        return self.sample(out, batch.sample_idx, logits, plan, plain=plain)
 
-    def sample(self, out, sample_idx: list[int], logits: torch.Tensor) -> RunnerOutput:
-        """Sample the rows of `out` listed in `sample_idx` from their `logits`."""
+    @staticmethod
+    def plan_logits(out, batch: StepBatch) -> tuple[bool, PromptLogprobPlan | None]:
+        """Whether every sampling sequence is plain greedy, and which prompt positions of this
+        step need logits (see `prompt_logprob_plan`). A batch whose sequences all sample and
+        are plain greedy has none: it costs the one pass over them that `sample` needs anyway."""
+        seqs = out.seqs
+        every = batch.samples_every_row
+        plain = BatchSampler.all_plain_greedy(
+            seqs if every else [seqs[k] for k in batch.sample_idx])
+        return plain, prompt_logprob_plan(out, not (plain and every))
+
+    def sample(self, out, sample_idx: list[int], logits: torch.Tensor,
+               plan: PromptLogprobPlan | None = None, *, plain: bool | None = None
+               ) -> RunnerOutput:
+        """Sample the rows of `out` listed in `sample_idx` from their `logits` (followed by
+        the rows of `plan`'s prompt positions, when given). `plain`: whether every sampling
+        sequence is plain greedy, when the caller knows."""
         seqs, sched = out.seqs, out.scheduled
         if len(sample_idx) != len(seqs):
             seqs = [seqs[k] for k in sample_idx]
             sched = [sched[k] for k in sample_idx]
-        if BatchSampler.all_plain_greedy(seqs):  # the throughput path
-            return BatchSampler.argmax_output(seqs, logits.argmax(dim=-1).tolist())
-        positions = [ss.start + ss.num_tokens for ss in sched]
-        return self.sampler.sample(seqs, positions, logits)
+        prompt_lp = None
+        if plan is not None:
+            prompt_lp = self._prompt_logprobs(plan, logits[len(seqs):])
+            logits = logits[: len(seqs)]
+        if plain is None:
+            plain = BatchSampler.all_plain_greedy(seqs)
+        if plain:  # the throughput path
+            result = BatchSampler.argmax_output(seqs, logits.argmax(dim=-1).tolist())
+        else:
+            positions = [ss.start + ss.num_tokens for ss in sched]
+            result = self.sampler.sample(seqs, positions, logits)
+        result.prompt_logprobs = prompt_lp
+        return result
+
+    @staticmethod
+    def _prompt_logprobs(
+        plan: PromptLogprobPlan, logits: torch.Tensor
+    ) -> dict[str, tuple[int, list[PositionLogprobs]]]:
+        out = {}
+        at = 0
+        for rid, first, nxt, num in plan.parts:
+            out[rid] = (first, prompt_logprobs(logits[at : at + len(nxt)], nxt, num))
+            at += len(nxt)
+        return out
 
     @torch.inference_mode()
     def execute_async(self, out) -> InFlightStep:
@@ -253,13 +336,21 @@ class ModelRunner:
         A sequence scheduled ahead of its last token reads it here from the step launched
         before, on the device."""
         batch = step_batch(out)
-        pending = None
-        if batch.placeholders:
-            rows = self._last_rows
-            pending = PendingTokens([r for r, _ in batch.placeholders],
-                                    [rows[sid] for _, sid in batch.placeholders],
-                                    self._last_tokens)
-        tokens = self.run(batch, pending).argmax(dim=-1)
+        tokens = self.run(batch, self.pending_tokens(batch), greedy=True)
+        return self.in_flight(out, batch, tokens)
+
+    def pending_tokens(self, batch: StepBatch) -> PendingTokens | None:
+        """Where the placeholders of `batch` read their tokens: the argmax rows of the step
+        launched before (None without placeholders)."""
+        if not batch.placeholders:
+            return None
+        rows = self._last_rows
+        return PendingTokens([r for r, _ in batch.placeholders],
+                             [rows[sid] for _, sid in batch.placeholders], self._last_tokens)
+
+    def in_flight(self, out, batch: StepBatch, tokens: torch.Tensor) -> InFlightStep:
+        """Remember the launched step's `tokens` (device, one per sampling row) for the next
+        step's placeholders and start copying them to the host."""
         seqs = out.seqs
         if len(batch.sample_idx) != len(seqs):
             seqs = [seqs[k] for k in batch.sample_idx]
@@ -277,10 +368,15 @@ class ModelRunner:
             host.copy_(tokens)
         return InFlightStep(seqs, host, ready)
 
-    def run(self, batch: StepBatch, pending: PendingTokens | None = None) -> torch.Tensor:
-        """Block operations, then one forward pass; float32 logits of the sampling rows.
+    def run(
+        self, batch: StepBatch, pending: PendingTokens | None = None, *, greedy: bool = False,
+        prompt_rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Block operations, then one forward pass; float32 logits of the sampling rows,
+        followed by those of the flat token rows `prompt_rows` (prompt logprobs) when given, or
+        with `greedy` the sampling rows' argmax token ids (int64, `greedy_tokens`).
 
-        Tensor-parallel ranks all call this with the same batch."""
+        Tensor-parallel ranks all call this with the same arguments."""
         if batch.swap_out or batch.swap_in or batch.copies:
             self.apply_block_ops(batch.swap_out, batch.swap_in, batch.copies)
         if self.step_log is not None:
@@ -292,9 +388,13 @@ class ModelRunner:
             ids = [t[0] for t in batch.token_ids]
             self._begin_span()
             hidden = graphs.replay(ids, batch.starts, batch.block_tables, b, write)
-            if not batch.samples_every_row:
+            self.graph_replays += 1
+            if prompt_rows:
+                rows = batch.sample_idx + prompt_rows
+                hidden = hidden[host_tensor(rows).to(self.device, non_blocking=True)]
+            elif not batch.samples_every_row:
                 hidden = hidden[host_tensor(batch.sample_idx).to(self.device, non_blocking=True)]
-            logits = self.model.compute_logits(hidden)
+            logits = self.greedy_tokens(hidden) if greedy else self.model.compute_logits(hidden)
             self._end_span()
             return logits
         inputs, _ = build_inputs(batch, self.block_size, self.device)
@@ -302,12 +402,25 @@ class ModelRunner:
             pending.write_into(inputs.input_ids)
         self._begin_span()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not batch.sample_idx:
-            logits = hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        self.eager_passes += 1
+        if not batch.sample_idx and not prompt_rows:
+            logits = (hidden.new_empty(0, dtype=torch.long) if greedy else
+                      hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32))
+        elif greedy:
+            logits = self.greedy_tokens(hidden[inputs.sample_rows])
         else:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            rows = inputs.sample_rows
+            if prompt_rows:
+                extra = host_tensor(prompt_rows).to(self.device, non_blocking=True)
+                rows = torch.cat([rows, extra])
+            logits = self.model.compute_logits(hidden[rows])
         self._end_span()
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token id (int64, on the device) of each row of `hidden`. A
+        tensor-parallel rank overrides this to reduce its vocabulary slice with the others'."""
+        return self.model.compute_logits(hidden).argmax(dim=-1)
 
     def apply_block_ops(
         self,

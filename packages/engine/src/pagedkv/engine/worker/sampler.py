@@ -2,8 +2,9 @@
 
 One step samples N rows at once. The host builds a `SamplingBatch` from each row's
 `SamplingParams`, prompt/output token ids and (for seeded requests) the sequence's index and
-position; the `Sampler` then applies, in vLLM's order, min_tokens masking,
-repetition / frequency / presence penalties, temperature, top-k, top-p and min-p, and picks
+position; the `Sampler` then applies, in vLLM's order, the token bitmask (grammars,
+allowed_token_ids, bad_words: one tensor for the batch, one op), min_tokens masking, logit
+bias, repetition / frequency / presence penalties, temperature, top-k, top-p and min-p, and picks
 tokens: argmax for greedy rows; for random rows, the inverse CDF of the processed
 distribution at one uniform draw per sample (an exact draw that needs one random number per
 row, not one per vocabulary entry). Nothing is read back to the host until the final tokens
@@ -32,6 +33,7 @@ import torch
 from pagedkv.engine.beam_search import num_beam_candidates
 from pagedkv.engine.outputs import Logprob, TokenLogprobs
 from pagedkv.engine.sampling_params import SamplingParams, SamplingType
+from pagedkv.engine.structured.bitmask import apply_token_bitmask, bitmask_width
 from pagedkv.engine.worker.logits_processors import (
     apply_min_p,
     apply_penalties,
@@ -160,6 +162,7 @@ class _ParamInfo:
     min_tokens: int
     stop_ids: list[int]  # masked until min_tokens
     beam_candidates: int
+    logit_bias: list[tuple[int, float]]
 
     @classmethod
     def of(cls, p: SamplingParams, vocab: int, eos: list[int]) -> _ParamInfo:
@@ -184,6 +187,7 @@ class _ParamInfo:
                 if st == SamplingType.BEAM
                 else 0
             ),
+            logit_bias=sorted(p.logit_bias.items()) if p.logit_bias else [],
         )
 
 
@@ -193,6 +197,8 @@ class SamplingBatch:
     Build it on the host right before sampling (it reads each row's token lists only when that
     row uses penalties). `eos_token_ids` are masked, with `stop_token_ids`, for rows that have
     not reached `min_tokens`. `generator` is shared by rows without their own.
+    `token_bitmask` (host int32 `[rows, ceil(V / 32)]`, see `structured.bitmask`) masks the
+    tokens each row may not take; it is copied to the device without waiting.
     """
 
     def __init__(
@@ -203,10 +209,19 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
         eos_token_ids: Iterable[int] = (),
         generator: torch.Generator | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> None:
         device = torch.device(device)
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if token_bitmask is not None and (
+            token_bitmask.dtype != torch.int32
+            or tuple(token_bitmask.shape) != (len(rows), bitmask_width(vocab_size))
+        ):
+            raise ValueError(
+                f"token_bitmask must be int32 [{len(rows)}, {bitmask_width(vocab_size)}], got "
+                f"{token_bitmask.dtype} {tuple(token_bitmask.shape)}"
+            )
         self.rows = list(rows)
         self.vocab_size = vocab_size
         self.device = device
@@ -234,6 +249,9 @@ class SamplingBatch:
         seeded_slot_pos: list[int] = []
         seeded_u: list[float] = []
         lp_rows: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_vals: list[float] = []
         beam_rows: list[int] = []
         beam_ks: list[int] = []
         self.row_slots: list[tuple[int, int]] = []  # (first slot, count) per row
@@ -262,6 +280,15 @@ class SamplingBatch:
                 min_tok_ids.extend(info.stop_ids)
             if info.penalties:
                 pen_rows.append(i)
+            if info.logit_bias:
+                for t, b in info.logit_bias:
+                    if t >= V:
+                        raise ValueError(
+                            f"row {i}: logit_bias token id {t} is outside the vocabulary [0, {V})"
+                        )
+                    bias_rows.append(i)
+                    bias_ids.append(t)
+                    bias_vals.append(b)
             temps.append(info.temperature)
             top_ks.append(info.top_k)
             top_ps.append(info.top_p)
@@ -333,6 +360,8 @@ class SamplingBatch:
         self.do_min_p = bool(min_p_rows)
         self.do_penalties = bool(pen_rows)
         self.do_min_tokens = bool(min_tok_rows)
+        self.do_logit_bias = bool(bias_rows)
+        self.do_token_mask = token_bitmask is not None
         self.lp_rows = lp_rows
         self.beam_rows = beam_rows
         self.beam_ks = beam_ks
@@ -370,6 +399,7 @@ class SamplingBatch:
             "top_p": floats.add([top_ps[i] for i in topkp_rows]),
             "min_p": floats.add(min_ps),
             "seeded_u": floats.add(seeded_u),
+            "bias_vals": floats.add(bias_vals),
         }
         li = {
             "top_k": longs.add([top_ks[i] for i in topkp_rows]),
@@ -386,6 +416,8 @@ class SamplingBatch:
             "lp_slot_pos": longs.add(lp_slot_pos),
             "lp_slot_lprow": longs.add(lp_slot_lprow),
             "beam_rows": longs.add(beam_rows),
+            "bias_rows": longs.add(bias_rows),
+            "bias_ids": longs.add(bias_ids),
         }
         if pen_rows:
             fi["pen_counts"] = floats.add(pairs.output_counts)
@@ -397,6 +429,8 @@ class SamplingBatch:
         lv = longs.ship(device)
         self.t: dict[str, torch.Tensor] = {k: fv[v] for k, v in fi.items()}
         self.t.update({k: lv[v] for k, v in li.items()})
+        if token_bitmask is not None:
+            self.t["token_bitmask"] = token_bitmask.to(device, non_blocking=True)
 
 
 class Sampler:
@@ -438,8 +472,12 @@ class Sampler:
         if batch.lp_rows:
             raw_lp = torch.log_softmax(rows_of("lp", t["lp_rows"]), dim=-1)
 
+        if batch.do_token_mask:
+            apply_token_bitmask(logits, t["token_bitmask"])
         if batch.do_min_tokens:
             logits.index_put_((t["min_tok_rows"], t["min_tok_ids"]), logits.new_full((), -math.inf))
+        if batch.do_logit_bias:
+            logits.index_put_((t["bias_rows"], t["bias_ids"]), t["bias_vals"], accumulate=True)
         if batch.do_penalties:
             apply_penalties(
                 logits, t["pen_keys"], t["pen_counts"], t["pen_rep"], t["pen_freq"], t["pen_pres"]

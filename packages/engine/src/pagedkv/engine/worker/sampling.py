@@ -3,8 +3,10 @@
 Each scheduled sequence's request carries its `RequestSampling` (attached by the engine when it
 queued the request; the scheduler never reads it). A batch in which every sampling sequence is
 plain greedy takes the throughput path: one argmax on the device, one copy of the ids to the
-host. Any other batch builds a `SamplingBatch` (temperature, top-k/p, penalties, logprobs,
-seeds, beam candidates) for the `Sampler`.
+host. Any other batch builds a `SamplingBatch` (token masks, logit bias, temperature,
+top-k/p, penalties, logprobs, seeds, beam candidates) for the `Sampler`. The token bitmask
+(grammars, allowed_token_ids, bad_words: `token_masks.TokenMasks`) is computed first, on the
+host, before anything waits for the device: on a GPU that overlaps the forward pass.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from pagedkv.engine.outputs import RunnerOutput
 from pagedkv.engine.worker.sampler import Sampler, SamplingBatch, SamplingRow
+from pagedkv.engine.worker.token_masks import TokenMasks
 
 
 def _plain_greedy(seq) -> bool:
@@ -24,8 +27,10 @@ def _plain_greedy(seq) -> bool:
 class BatchSampler:
     """Samples the rows of a step: `sample(seqs, positions, logits) -> RunnerOutput`."""
 
-    def __init__(self, device: torch.device, eos_token_ids: Sequence[int], seed: int) -> None:
+    def __init__(self, device: torch.device, eos_token_ids: Sequence[int], seed: int,
+                 vocab_size: int | None = None) -> None:
         self.sampler = Sampler()
+        self.masks = TokenMasks(vocab_size, pin=device.type == "cuda") if vocab_size else None
         self.eos_token_ids = list(eos_token_ids)
         # Shared by unseeded rows; seeded rows draw from their own seed (see the sampler).
         self.generator = torch.Generator(device=device)
@@ -45,6 +50,10 @@ class BatchSampler:
         `logits[i]`."""
         if self.all_plain_greedy(seqs):
             return self.argmax_output(seqs, logits.argmax(dim=-1).tolist())
+        masks = self.masks
+        if masks is None or masks.vocab_size != logits.shape[1]:
+            masks = self.masks = TokenMasks(logits.shape[1], pin=logits.is_cuda)
+        bitmask = masks.build(seqs)
         rows: list[SamplingRow] = []
         for s, pos in zip(seqs, positions):
             p = s.group.sampling.params
@@ -57,7 +66,8 @@ class BatchSampler:
                 num, s.index, pos,
             ))
         batch = SamplingBatch(rows, vocab_size=logits.shape[1], device=logits.device,
-                              eos_token_ids=self.eos_token_ids, generator=self.generator)
+                              eos_token_ids=self.eos_token_ids, generator=self.generator,
+                              token_bitmask=bitmask)
         result = RunnerOutput({})
         for s, rs in zip(seqs, self.sampler(logits, batch).rows):
             if rs.beam_token_ids is not None:
