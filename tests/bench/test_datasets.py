@@ -60,18 +60,38 @@ def test_translation_prefixes():
 
 
 @pytest.mark.slow
-def test_sharing_on_alpaca_lengths_and_a_shared_prefix(capsys):
+def test_sharing_on_alpaca_lengths(capsys):
     rc = main(["bench", "sharing", "--dataset", "alpaca", "--num-prompts", "2", "--max-tokens",
-               "4", "--widths", "2", "--prefix-shots", "1", "--prefix-requests", "3",
-               "--prefix-output-len", "2", *SMALL])  # fmt: skip
+               "4", "--widths", "2", *SMALL])  # fmt: skip
     assert rc == 0
     res = _last_json(capsys.readouterr().out)
     assert res["dataset"] == "alpaca" and res["num_prompts"] == 2
     assert 0 < res["parallel_2_saving_pct"] < 100 and 0 < res["beam_2_saving_pct"] < 100
+
+
+@pytest.mark.slow
+def test_shared_prefix_alone(capsys):
+    """The GPU script's prefix step: no sampling runs (and no engine built for them), the
+    prefix cache off and on."""
+    rc = sharing.main(["--skip-parallel", "--skip-beam", "--prefix-shots", "1",
+                       "--prefix-requests", "3", "--prefix-output-len", "2",
+                       "--log-level", "WARNING", *SMALL])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    res = _last_json(out)
+    assert set(res) == {"prefix_1shot_tokens", "prefix_1shot_block_saving_pct",
+                        "prefix_1shot_throughput_ratio"}
+    assert "1-shot prefix, cache off" in out and "1-shot prefix, cache on" in out
     # three requests share one prefix of more than one block: most of their blocks are shared
-    assert res["prefix_1shot_tokens"] > 16
+    assert res["prefix_1shot_tokens"] == sharing.PREFIX_TOKENS[1]
     assert 30 < res["prefix_1shot_block_saving_pct"] < 100
     assert res["prefix_1shot_throughput_ratio"] > 0
+
+
+def test_sharing_with_nothing_to_measure_is_a_clear_error(capsys):
+    assert sharing.main(["--skip-parallel", "--skip-beam", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to measure" in err and "--prefix-shots" in err
 
 
 @needs_dataset
