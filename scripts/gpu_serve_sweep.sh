@@ -116,6 +116,11 @@ fi
 echo "--- server log (last lines) ---"; tail -n 15 "$server_log"
 stop_server  # the GPU is the offline engine's now
 trap - EXIT
+# the engine core is the server's child: wait (at most 30 s) until no process holds the GPU
+for _ in $(seq 1 30); do
+  [[ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ]] && break
+  sleep 1
+done
 echo "server stopped after $((SECONDS - start_s))s"
 
 # The offline engine's decode step at each rate's batch size: same engine options, same GPU.

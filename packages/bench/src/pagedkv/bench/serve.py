@@ -1334,7 +1334,6 @@ def _sharegpt_requests(args: argparse.Namespace) -> list[RequestSpec]:
     return specs
 
 
-
 # --- issue 21: below saturation. The batch the server ran at (sampled from its /metrics while
 # a rate runs), the knee of the sweep, and median TPOT against the offline engine's decode step
 # at the same batch size (measured by pagedkv.bench.decode_step after the server stops) ---
