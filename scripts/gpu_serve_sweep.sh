@@ -22,7 +22,7 @@
 # steps); the JSON and the plot are rewritten after each rate and each batch size, so a cut run
 # keeps what it measured.
 # A CPU smoke run with the embedded model (no GPU, a few seconds of load):
-#   MODEL= PYTHON=.venv/bin/python SERVE_ARGS="--skip-tokenizer-init --kv-cache-gb 0.25" \
+#   SKIP_WHEELS=1 MODEL= PYTHON=.venv/bin/python SERVE_ARGS="--skip-tokenizer-init --kv-cache-gb 0.25" \
 #   RATES=2,4 NUM_PROMPTS=6 DURATION_S=1 VOCAB_SIZE=49152 BENCH_EXTRA="--workload random \
 #   --input-len 8 --output-len 4" DECODE_EXTRA="--steps 4" bash scripts/gpu_serve_sweep.sh
 set -uo pipefail
