@@ -24,6 +24,7 @@ script runs too. Every result is one JSON object with the environment record.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import random
@@ -217,8 +218,12 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         logger.info("engine bs %d: %s", bs, row)
         _save_partial(args, {"experiment": "engine", "model": args.model, "workload": source,
                              "rows": rows})
+        eng.shutdown()
         del eng
+        gc.collect()  # the next engine must find this one's weights and KV cache freed
         torch.cuda.empty_cache()
+        logger.info("after block size %d: %.2f GB still allocated", bs,
+                    torch.cuda.memory_allocated() / 1e9)
     return {"experiment": "engine", "model": args.model, "workload": source,
             "num_prompts": len(reqs), "rows": rows}
 

@@ -20,6 +20,7 @@ in flight is applied first and the engine takes the plain step.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.distributed.executor import TensorParallelError
@@ -33,7 +34,10 @@ class AsyncScheduling:
     """The engine's step with one batch in flight (see the module docstring)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        # The engine owns this strategy: a proxy keeps the pair out of a reference cycle, so
+        # dropping an engine frees its weights and KV cache at once, not at the next garbage
+        # collection (a second engine in the same process would not fit on the GPU meanwhile).
+        self.engine = weakref.proxy(engine)
         # (SchedulerOutput, worker.model_runner.InFlightStep, the block tables it launched with
         # when observed: kvblocks' lists grow again when the next step is scheduled ahead)
         self.in_flight = None
