@@ -21,7 +21,7 @@ payload         sequence ids; first positions; query lengths (not in a decode st
 ==============  =========================================================================
 
 The step number travels too, so a rank that missed or repeated a step fails at once instead of
-running the wrong tables. Messages other than a step (stop, collect statistics) are a header
+running the wrong tables. Messages other than a step (stop, collect statistics or timings) are a header
 alone (:func:`control_message`).
 """
 
@@ -47,6 +47,7 @@ class Kind(IntEnum):
     STEP = 1  # run this forward pass
     STOP = 2  # leave the loop (the engine shuts down)
     STATS = 3  # send rank statistics to the driver (`RankRunner.stats`)
+    TIMINGS = 4  # send per-step timings to the driver (`RankRunner.timing_summary`)
 
 
 class Mode(IntEnum):
@@ -75,7 +76,7 @@ class StepMessage:
 
 
 def control_message(kind: Kind) -> torch.Tensor:
-    """A message without a step (`Kind.STOP`, `Kind.STATS`)."""
+    """A message without a step (`Kind.STOP`, `Kind.STATS`, `Kind.TIMINGS`)."""
     msg = torch.zeros(HEADER_LEN, dtype=torch.long)
     msg[_KIND] = int(kind)
     return msg
