@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.emit_partial_outputs = False
         reqs = make_requests(args, engine.model_config.vocab_size)
         run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up
+        warmup_steps = runner.rank_stats()[0]["steps"]
         runner.rank_timings()  # forget the warm-up's steps
         start = time.perf_counter()
         run = run_pagedkv(engine, reqs)
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"output_tok_s": run.output_tokens / secs, "seconds": secs,
-                       "rank_timings": timings, "rank_stats": stats}, f, indent=1)
+                       "warmup_steps": warmup_steps, "rank_timings": timings,
+                       "rank_stats": stats}, f, indent=1)
     return 0
 
 
