@@ -20,7 +20,8 @@ payload         sequence ids; first positions; query lengths (not in a decode st
                 changed table (row, entries kept, entries sent); the new entries
 ==============  =========================================================================
 
-The step number travels too, so a rank that missed or repeated a step fails at once instead of
+A message travels in one gloo broadcast of :data:`FIRST_LEN` ints when it fits (a decode step
+of up to about 1,600 sequences), else in two (:func:`send_message`). The step number travels too, so a rank that missed or repeated a step fails at once instead of
 running the wrong tables. Messages other than a step (stop, collect statistics or timings) are a header
 alone (:func:`control_message`).
 """
