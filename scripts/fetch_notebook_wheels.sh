@@ -39,6 +39,8 @@ PINS=(
   ipywidgets==8.1.9 widgetsnbextension==4.0.16 jupyterlab-widgets==3.0.17
   # the embedded model's tokenizer and weights are read from its GGUF
   gguf==0.19.0
+  # the engine: its core process's wire, and structured output
+  msgspec==0.22.0 llguidance==1.9.1
   # 06: pagedkv serve and the official client
   fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.4 opentelemetry-api==1.45.2
   uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
@@ -51,7 +53,7 @@ rm -rf "$WHEELS"
 mkdir -p "$WHEELS"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --abi cp312 --abi abi3 --abi none \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
   -d "$WHEELS" "${PINS[@]}"
