@@ -55,7 +55,8 @@ def test_decode_large_blocks(target, seed, case):
             backend=target.backend,
         )  # fmt: skip
         _check(out, ref, dtype, seed, f"decode num_splits={splits} max_seq_len={hint}")
-        assert bool((out[-1] == 0).all()), "a zero-length sequence must give zeros"
+        empty = lens.index(0)  # not the last row: the full (GPU) run appends long contexts
+        assert bool((out[empty] == 0).all()), "a zero-length sequence must give zeros"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
