@@ -71,7 +71,9 @@ class Launch:
     headers: dict[str, str]
 
 
-def launch_server(log_path: Path, *extra: str, new_session: bool = False) -> Launch:
+def launch_server(
+    log_path: Path, *extra: str, new_session: bool = False, max_body_bytes: int = MAX_BODY_BYTES
+) -> Launch:
     """Start `pagedkv serve` (`new_session`: in a process group of its own, as a terminal's
     foreground job is, so that a test can send Ctrl-C's SIGINT to the whole group)."""
     port = free_port()
@@ -81,7 +83,7 @@ def launch_server(log_path: Path, *extra: str, new_session: bool = False) -> Lau
         "--port",
         str(port),
         "--max-body-bytes",
-        str(MAX_BODY_BYTES),
+        str(max_body_bytes),
         "--uvicorn-log-level",
         "warning",
         *extra,

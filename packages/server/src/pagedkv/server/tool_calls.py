@@ -17,6 +17,7 @@ tool calls sent back are written the same way, so the model sees its own format.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -83,8 +84,12 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
 
 def calls_as_text(calls: list[dict[str, Any]]) -> str:
     """Assistant tool calls written back in SmolLM2's format (for templates without tools)."""
-    items = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-             for c in calls]
+    items = []
+    for c in calls:
+        args: Any = c["function"]["arguments"]
+        with contextlib.suppress(TypeError, json.JSONDecodeError):  # else sent as it came
+            args = json.loads(args)
+        items.append({"name": c["function"]["name"], "arguments": args})
     return "<tool_call>" + json.dumps(items, ensure_ascii=False) + "</tool_call>"
 
 
