@@ -139,7 +139,12 @@ def build_app(
         return result if isinstance(result, ChatCompletionResponse) else _sse(result)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=model_root or name, max_model_len=serving.max_model_len)
+        return ModelCard(
+            id=name,
+            root=model_root or name,
+            max_model_len=serving.max_model_len,
+            vocab_size=serving.vocab_size,
+        )
 
     @app.get(
         "/v1/models", response_model=ModelList, responses=_ERRORS, summary="List served models"

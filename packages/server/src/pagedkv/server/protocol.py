@@ -402,6 +402,8 @@ class ModelCard(BaseModel):
     owned_by: str = "pagedkv"
     root: str | None = None
     max_model_len: int | None = None
+    #: pagedkv's extra: token ids are below this (what `pagedkv bench serve` draws prompts from)
+    vocab_size: int | None = None
 
 
 class ModelList(BaseModel):
