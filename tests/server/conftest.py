@@ -166,7 +166,7 @@ API_KEY = "sk-test-123"
 def _launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launch]]:
     """Both test servers start at once: loading the model dominates, and the loads overlap."""
     base = tmp_path_factory.mktemp("servers")
-    launches = {"main": launch_server(base / "main.log")}
+    launches = {"main": launch_server(base / "main.log", "--trust-request-chat-template")}
     launches["keyed"] = launch_server(
         base / "keyed.log", "--api-key", API_KEY, "--served-model-name", "tiny", "smol"
     )

@@ -78,6 +78,7 @@ def build_app(
     model_root: str | None = None,
     chat_template: str | None = None,
     tool_call_parser: str = "auto",
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it under `served_model_names`.
 
@@ -87,6 +88,7 @@ def build_app(
     `chat_template`: a Jinja chat template replacing the tokenizer's.
     `tool_call_parser`: how tool calls are found in replies under `tool_choice: "auto"`
     (`pagedkv.server.tool_calls.TOOL_CALL_PARSERS`; "auto" picks from the chat template).
+    `trust_request_chat_template`: render a request's own `chat_template` (otherwise a 400).
     """
     app = FastAPI(
         title="pagedkv OpenAI-compatible server",
@@ -100,6 +102,7 @@ def build_app(
         metrics,
         chat_template=chat_template,
         tool_call_parser=tool_call_parser,
+        trust_request_chat_template=trust_request_chat_template,
     )
     app.state.serving = serving
     app.state.metrics = metrics

@@ -80,6 +80,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template (a file, or the template itself) replacing the model's",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (a Jinja template is code; default: 400)",
+    )
+    g.add_argument(
         "--tool-call-parser",
         default="auto",
         choices=TOOL_CALL_PARSERS,
@@ -180,6 +185,7 @@ async def _serve(args: argparse.Namespace) -> int:
             model_root=engine_args.model or _model_name(engine, args),
             chat_template=chat_template,
             tool_call_parser=args.tool_call_parser,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         config = uvicorn.Config(
             app,

@@ -237,6 +237,7 @@ class OpenAIServing:
         *,
         chat_template: str | None = None,
         tool_call_parser: str = "auto",
+        trust_request_chat_template: bool = False,
     ) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
@@ -268,6 +269,7 @@ class OpenAIServing:
             self.tokenizer, "chat_template", None
         )
         self.tool_call_parser = tool_call_parser
+        self.trust_request_chat_template = trust_request_chat_template
         pick_parser(tool_call_parser, self.chat_template)  # a bad name fails at start
         self._decode_cache: dict[int, str] = {}
 
@@ -424,6 +426,12 @@ class OpenAIServing:
             "messages",
             "chat messages need its chat template: use /v1/completions with token-id prompts",
         )
+        if template is not None and not self.trust_request_chat_template:
+            raise bad_request(
+                "this server does not render chat templates sent in requests (a template is "
+                "code); start it with --trust-request-chat-template, or use --chat-template",
+                "chat_template",
+            )
         template = template or self.chat_template
         if not template:
             raise bad_request(
@@ -569,8 +577,8 @@ class OpenAIServing:
         self.require_tokenizer(param, "structured output needs a tokenizer")
         try:
             return StructuredOutputsParams(**kwargs)
-        except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param) from exc
+        except Exception as exc:  # the grammar compiler's word on the user's schema or regex
+            raise bad_request(str(exc) or type(exc).__name__, param) from exc
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         if not bias:
