@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import math
@@ -272,6 +273,13 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         pick_parser(tool_call_parser, self.chat_template)  # a bad name fails at start
         self._decode_cache: dict[int, str] = {}
+        # apply_chat_template's own parameters: chat_template_kwargs may not set them
+        apply = getattr(self.tokenizer, "apply_chat_template", None)
+        self._template_params: frozenset[str] = frozenset(
+            name
+            for name, p in (inspect.signature(apply).parameters.items() if apply else ())
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        )
 
     # ---- checks shared by all endpoints ----------------------------------------------------
     def resolve_model(self, name: str | None) -> str:
@@ -440,7 +448,7 @@ class OpenAIServing:
                 "messages",
             )
         kwargs = dict(template_kwargs or {})
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        reserved = sorted((_RESERVED_TEMPLATE_KWARGS | self._template_params) & set(kwargs))
         if reserved:
             raise bad_request(
                 f"chat_template_kwargs cannot set {reserved}: use the request's own fields",
