@@ -81,6 +81,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "y"}},
      "stream_options"),
+    # OpenAI / vLLM fields pagedkv cannot honour: refused, never ignored
+    ({"prompt": "hi", "priority": 1}, "priority"),
+    ({"prompt": "hi", "logits_processors": ["my.module:Proc"]}, "logits_processors"),
+    ({"prompt": "hi", "cache_salt": "abc"}, "cache_salt"),
 ]
 
 
@@ -106,6 +110,11 @@ BAD_CHATS = [
         "tool_choice",
     ),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": -2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "modalities"),
     (
         {"messages": [{"role": "user", "content": "x"}],
          "chat_template_kwargs": {"add_generation_prompt": False}},
@@ -133,6 +142,12 @@ BAD_CHATS = [
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=[str(b) for b, _ in BAD_CHATS])
 def test_bad_chat_values_are_400(http: httpx.Client, body: dict, param: str | None) -> None:
     assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_fields_asking_for_nothing_are_accepted(http: httpx.Client) -> None:
+    body = {"prompt": "hi", "max_tokens": 1, "priority": 0, "store": False,
+            "service_tier": "auto", "some_field_no_api_defines": 1}
+    assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI, server: RunningServer) -> None:

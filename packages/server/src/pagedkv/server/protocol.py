@@ -108,10 +108,36 @@ class StructuredOutputsField(BaseModel):
     disable_any_whitespace: Bool | None = False
 
 
+#: Fields of OpenAI's or vLLM's API that pagedkv cannot honour: (values that ask for nothing,
+#: what to do instead). Any other value is a 400 that says so, never a silent 200. Fields no
+#: API defines are ignored, as OpenAI does.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "priority": ((0, None), "requests are scheduled first come, first served"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "mm_processor_kwargs": ((None, {}), "this server serves text-only models"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
+    "cache_salt": ((None,), "the prefix cache has no salt"),
+    "kv_transfer_params": ((None,), "there is no disaggregated prefill"),
+    "vllm_xargs": ((None, {}), "there are no custom sampling extensions"),
+    "documents": ((None, []), "documents are not given to chat templates; put them in messages"),
+    "functions": ((None, []), "use tools"),
+    "function_call": ((None,), "use tool_choice"),
+    "audio": ((None,), "this server answers with text"),
+    "modalities": ((None, ["text"]), "this server answers with text"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "there is no web search"),
+    "reasoning_effort": ((None,), "the model has no reasoning modes"),
+    "store": ((None, False), "completions are not stored"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "request_id": ((None,), "the server names requests itself"),
+}
+
+
 class _SamplingFields(BaseModel):
     """Fields that both /v1/completions and /v1/chat/completions accept."""
 
-    model_config = ConfigDict(extra="ignore")
+    # extra fields are kept (and then ignored) so that UNSUPPORTED_FIELDS can be refused
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = Field(
         None, description="a name from GET /v1/models; omitted means the first served name"

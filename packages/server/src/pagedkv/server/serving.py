@@ -41,6 +41,7 @@ from pagedkv.engine.structured.params import StructuredOutputsParams
 from pagedkv.server.errors import APIError, bad_request, error_body
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
+    UNSUPPORTED_FIELDS,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -686,6 +687,15 @@ class OpenAIServing:
             raise bad_request("best_of != n cannot be streamed; set stream to false", "best_of")
         return stream
 
+    def check_supported(self, req: Any) -> None:
+        """A 400 for a field of OpenAI's or vLLM's API that pagedkv cannot honour."""
+        for name, value in (req.model_extra or {}).items():
+            known = UNSUPPORTED_FIELDS.get(name)
+            if known is not None and not any(
+                value == ok and type(value) is type(ok) for ok in known[0]
+            ):
+                raise bad_request(f"{name} is not supported by this server: {known[1]}", name)
+
     def check_alive(self) -> None:
         if getattr(self.engine, "errored", False):
             raise APIError(503, "the engine loop has stopped; restart the server")
@@ -893,6 +903,7 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Any:
         self.check_alive()
+        self.check_supported(req)
         model = self.resolve_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
@@ -1182,6 +1193,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
         self.check_alive()
+        self.check_supported(req)
         model = self.resolve_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
