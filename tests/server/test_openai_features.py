@@ -383,3 +383,49 @@ def test_lone_surrogates_are_400(http: httpx.Client, path: str, body: dict) -> N
     resp = raw_post(http, path, body)
     assert resp.status_code == 400, resp.text
     assert "surrogate" in resp.json()["error"]["message"]
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{{ tools | tojson }}</tools> Call with "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{% if tools %}<|start_header_id|>ipython<|end_header_id|>{{ tools | tojson }}"
+    "<|eot_id|>{% endif %}{% for m in messages %}<|start_header_id|>{{ m.role }}"
+    "<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+    "{# <|python_tag|> #}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "reply"),
+    [
+        (HERMES_TEMPLATE,
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
+        (LLAMA3_TEMPLATE, '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
+    ],
+    ids=["hermes", "llama3_json"],
+)
+def test_auto_tool_calls_in_hermes_and_llama3_styles(client: openai.OpenAI, http, server,
+                                                     template, reply) -> None:
+    """A template that renders tools itself gets them (and its parser is picked from it)."""
+    import re
+
+    shown = http.post("/tokenize", json={"messages": ASK, "tools": [WEATHER],
+                                         "chat_template": template}).json()["tokens"]
+    assert '"get_weather"' in http.post("/detokenize", json={"tokens": shown}).json()["prompt"]
+    for stream in (False, True):
+        kw = dict(model=server.model, messages=ASK, max_tokens=40, temperature=0,
+                  tools=[WEATHER],
+                  extra_body={"chat_template": template, "guided_regex": re.escape(reply)})
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, stream=True))
+            calls = [tc for c in chunks if c.choices
+                     for tc in (c.choices[0].delta.tool_calls or [])]
+        else:
+            calls = client.chat.completions.create(**kw).choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Rome"})], stream
