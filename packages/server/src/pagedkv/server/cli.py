@@ -52,7 +52,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)",
+        help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+        "(default: no key)",
     )
     g.add_argument(
         "--served-model-name",

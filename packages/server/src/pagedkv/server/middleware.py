@@ -39,7 +39,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """401 for the paths under `prefixes` (default /v1/*) when the
+    """401 for the paths under `prefixes` (default: everything under ``/v1``) when the
     `Authorization: Bearer <key>` header is missing or wrong."""
 
     def __init__(
