@@ -35,8 +35,10 @@ def test_bench_serve_against_cpu_server(server: RunningServer) -> None:
         "inf",
         "--max-concurrency",
         "4",
-        "--vocab-size",
-        "49152",
+        # no --vocab-size: read from the served model (49152); ids at or above 40000 would be
+        # refused by any default below the real vocabulary
+        "--min-token-id",
+        "40000",
         "--seed",
         "0",
     ]
@@ -72,6 +74,8 @@ def test_bench_serve_failed_requests_are_counted() -> None:
             "http://127.0.0.1:9",
             "--model",
             "m",
+            "--vocab-size",
+            "1000",
             "--num-prompts",
             "3",
             "--input-len",
@@ -92,13 +96,14 @@ def test_bench_serve_failed_requests_are_counted() -> None:
 def test_workload_lengths_and_percentiles() -> None:
     parser = argparse.ArgumentParser()
     bench_serve.add_bench_serve_args(parser)
-    args = parser.parse_args(["--workload", "alpaca", "--num-prompts", "2000", "--seed", "3"])
+    args = parser.parse_args(["--workload", "alpaca", "--num-prompts", "2000", "--seed", "3",
+                              "--vocab-size", "49152"])
     specs = bench_serve.make_requests(args)
     assert specs == bench_serve.make_requests(args)  # the seed fixes everything
     mean_in = sum(len(s.prompt) for s in specs) / len(specs)
     mean_out = sum(s.output_len for s in specs) / len(specs)
     assert 15 < mean_in < 24 and 48 < mean_out < 70
-    assert all(100 <= t < 32000 for s in specs[:50] for t in s.prompt)
+    assert all(100 <= t < 49152 for s in specs[:50] for t in s.prompt)
     values = [random.random() for _ in range(101)]
     ordered = sorted(values)
     assert bench_serve._pct(values, 50) == ordered[50]

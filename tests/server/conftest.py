@@ -71,7 +71,9 @@ class Launch:
     headers: dict[str, str]
 
 
-def launch_server(log_path: Path, *extra: str, new_session: bool = False) -> Launch:
+def launch_server(
+    log_path: Path, *extra: str, new_session: bool = False, max_body_bytes: int = MAX_BODY_BYTES
+) -> Launch:
     """Start `pagedkv serve` (`new_session`: in a process group of its own, as a terminal's
     foreground job is, so that a test can send Ctrl-C's SIGINT to the whole group)."""
     port = free_port()
@@ -81,7 +83,7 @@ def launch_server(log_path: Path, *extra: str, new_session: bool = False) -> Lau
         "--port",
         str(port),
         "--max-body-bytes",
-        str(MAX_BODY_BYTES),
+        str(max_body_bytes),
         "--uvicorn-log-level",
         "warning",
         *extra,
@@ -164,7 +166,7 @@ API_KEY = "sk-test-123"
 def _launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launch]]:
     """Both test servers start at once: loading the model dominates, and the loads overlap."""
     base = tmp_path_factory.mktemp("servers")
-    launches = {"main": launch_server(base / "main.log")}
+    launches = {"main": launch_server(base / "main.log", "--trust-request-chat-template")}
     launches["keyed"] = launch_server(
         base / "keyed.log", "--api-key", API_KEY, "--served-model-name", "tiny", "smol"
     )

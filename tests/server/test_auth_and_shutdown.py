@@ -44,6 +44,18 @@ def test_api_key_is_required_on_v1(keyed_server: RunningServer) -> None:
         assert out.model == name and out.choices[0].text is not None
     with pytest.raises(openai.NotFoundError):
         good.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2)
+    # the tokenizer endpoints are behind the key (tokenizing is work anyone could cause)
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(url + path, json=body).status_code == 401
+        ok = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, ok.text
+    assert httpx.get(url + "/tokenizer_info").status_code == 401
+    # without --trust-request-chat-template, a request's own template is refused
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        good.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+            extra_body={"chat_template": "{{ messages[0].content }}"},
+        )
 
 
 @pytest.mark.slow

@@ -117,7 +117,10 @@ class RequestResult:
 
 
 def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
-    """The request list; the same `--seed` gives the same prompts and lengths."""
+    """The request list; the same `--seed` gives the same prompts and lengths.
+    `args.vocab_size` must be known (given, or read from the server by `_model_name`)."""
+    if args.vocab_size is None:
+        raise ValueError("the vocabulary size is not known yet: give --vocab-size")
     if getattr(args, "dataset", None) == "sharegpt":  # issue 19: the real dataset
         return _sharegpt_requests(args)
     rng = random.Random(args.seed)
@@ -245,11 +248,34 @@ def _client(args: argparse.Namespace) -> httpx.AsyncClient:
 
 
 async def _model_name(client: httpx.AsyncClient, base: str, args: argparse.Namespace) -> str:
-    if args.model is not None:
+    """The model to ask for; also sets `args.vocab_size` from the served model when it was
+    not given (random prompts must stay inside the model's vocabulary)."""
+    if args.model is not None and args.vocab_size is not None:
         return str(args.model)
     resp = await client.get(base + "/v1/models")
     resp.raise_for_status()
-    return str(resp.json()["data"][0]["id"])
+    cards = resp.json()["data"]
+    card = next((c for c in cards if c["id"] == args.model), cards[0])
+    if args.vocab_size is None:
+        vocab = card.get("vocab_size")
+        if not isinstance(vocab, int):
+            info = await client.get(base + "/tokenizer_info")
+            vocab = info.json().get("vocab_size") if info.status_code == 200 else None
+        if not isinstance(vocab, int):
+            raise ValueError(
+                "the server does not say its vocabulary size (/v1/models, /tokenizer_info): "
+                "give --vocab-size"
+            )
+        args.vocab_size = vocab
+        _check_vocab(args)
+    return str(args.model) if args.model is not None else str(card["id"])
+
+
+def _check_vocab(args: argparse.Namespace) -> None:
+    if not 0 <= args.min_token_id < args.vocab_size:
+        raise ValueError(
+            f"need 0 <= --min-token-id < the vocabulary size ({args.vocab_size})"
+        )
 
 
 async def _send_all(
@@ -752,6 +778,11 @@ def run_compare_offline(
     """See the module docstring; returns the result. `on_repeat(result so far)` after each
     repeat."""
     model, rest = split_engine_args(args.engine_args)
+    if args.vocab_size is None:  # no server yet: the model's own config says it
+        from pagedkv.engine.config import ModelConfig
+
+        args.vocab_size = ModelConfig.from_model(model, device="cpu").vocab_size
+        _check_vocab(args)
     specs = make_requests(args)
     folder = Path(tempfile.mkdtemp(prefix="pagedkv-compare-"))
     dataset = folder / "requests.json"
@@ -952,8 +983,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size",
         type=int,
-        default=32000,
-        help="random prompt token ids are drawn below this (default 32000)",
+        default=None,
+        help="random prompt token ids are drawn below this (default: the served model's "
+        "vocabulary size, from /v1/models)",
     )
     parser.add_argument(
         "--min-token-id",
@@ -1067,7 +1099,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--request-rate must be > 0 (or inf)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
-    if not 0 <= args.min_token_id < args.vocab_size:
+    if args.vocab_size is not None and not 0 <= args.min_token_id < args.vocab_size:
         raise ValueError("need 0 <= --min-token-id < --vocab-size")
     if args.max_total_len < 2:
         raise ValueError("--max-total-len must be >= 2")

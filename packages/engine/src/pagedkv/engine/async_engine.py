@@ -34,7 +34,7 @@ from pagedkv.engine.core.client import CoreClient, EngineDeadError, InprocClient
 from pagedkv.engine.core.engine_core import core_params
 from pagedkv.engine.core.frontend import FrontendOutputs, OutputKind
 from pagedkv.engine.core.messages import CoreStats, EngineCoreOutputs
-from pagedkv.engine.input_processor import InputProcessor
+from pagedkv.engine.input_processor import InputProcessor, PreparedRequest
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
 
@@ -76,6 +76,8 @@ class AsyncLLMEngine:
         self._stopped = False
         #: Called once, on the event loop, when the engine core dies (the server stops then).
         self.on_dead: Callable[[BaseException], None] | None = None
+        #: Called on the event loop with each step message (read-only: metrics).
+        self.step_listeners: list[Callable[[EngineCoreOutputs], None]] = []
         #: Step messages handled, and the seconds spent handling them (where the time goes).
         self.num_step_messages = 0
         self.output_seconds = 0.0
@@ -140,9 +142,15 @@ class AsyncLLMEngine:
         runs, and when it goes idle)."""
         return self._stats
 
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
+        """Check and tokenize a request as `generate` would (raises `ValueError`); safe to call
+        from a worker thread, so that a server keeps big prompts and grammar compilation off
+        its event loop and then passes the result to `generate`."""
+        return self.inputs.prepare(prompt, params)
+
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedRequest,
         params: SamplingParams,
         request_id: str,
         *,
@@ -152,12 +160,16 @@ class AsyncLLMEngine:
 
         `output_kind`: "cumulative" (everything so far, each time), "delta" (what is new since
         the last output; needs best_of == n, no beam search) or "final" (only the finished
-        output). Invalid input raises `ValueError` before anything is queued."""
+        output). Invalid input raises `ValueError` before anything is queued. `prompt` may be
+        `prepare(prompt, params)`'s result (then it is not checked again)."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         self._attach(asyncio.get_running_loop())
         arrival = time.time()
-        prep = self.inputs.prepare(prompt, params)
+        if isinstance(prompt, PreparedRequest):
+            prep = prompt
+        else:
+            prep = self.inputs.prepare(prompt, params)
         st = self.outputs.add(request_id, prep, output_kind, arrival)
         self.client.add_request(request_id, prep.prompt_token_ids, core_params(prep.params),
                                 arrival)
@@ -196,6 +208,8 @@ class AsyncLLMEngine:
             self.client.abort(to_abort)
         if msg.stats is not None:
             self._stats = msg.stats
+        for listener in self.step_listeners:
+            listener(msg)
         self.num_step_messages += 1
         self.output_seconds += time.perf_counter() - t0
 
