@@ -326,10 +326,11 @@ class TensorParallelRunner:
         self._encoder = StepEncoder()
         launch = torchrun_env()
         timeout_s = float(args.distributed_timeout)
+        import torch.distributed as dist
+
+        group_was_up = dist.is_available() and dist.is_initialized()
         try:
             if launch is None:
-                import torch.distributed as dist
-
                 if sys.platform.startswith("linux"):
                     # all ranks on this machine: gloo over loopback, whatever the host name
                     # resolves to (workers inherit the setting)
@@ -369,6 +370,13 @@ class TensorParallelRunner:
             self._workers.wait_for_failure(2.0)
             failure = self._workers.describe_failure()
             self._workers.close(graceful=False)
+            if self._workers.ctx is None and not group_was_up and dist.is_initialized():
+                # A worker died after the default group came up but before the context was
+                # complete: nothing else would leave the group this start joined.
+                try:
+                    dist.destroy_process_group()
+                except Exception as destroy_exc:
+                    logger.warning("could not leave the process group: %s", destroy_exc)
             if failure:
                 raise TensorParallelError(failure) from exc
             raise
