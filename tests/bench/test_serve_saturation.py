@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench_serve.add_bench_serve_args(parser)
+    if "--vocab-size" not in argv:  # no server to read it from
+        argv = (*argv, "--vocab-size", "32000")
     return parser.parse_args(list(argv))
 
 

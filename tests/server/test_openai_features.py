@@ -354,8 +354,10 @@ def test_metric_families_and_rejections_are_not_aborts(http: httpx.Client, clien
         "vllm:request_params_n_count", "vllm:request_params_max_tokens_count",
     ):
         metric_value(after, name)  # present
-    assert metric_value(after, "vllm:request_prompt_tokens_count") > metric_value(
-        before, "vllm:request_prompt_tokens_count")
+    for name in ("vllm:request_prompt_tokens_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count"):  # the request was observed
+        assert metric_value(after, name) > metric_value(before, name), name
 
 
 # ---- text that is not valid Unicode --------------------------------------------------------------

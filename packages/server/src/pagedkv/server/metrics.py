@@ -336,7 +336,8 @@ class ServerMetrics:
         n: int,
         max_tokens: int | None,
     ) -> None:
-        """A finished request's sizes, and where its time went after it was scheduled."""
+        """A finished request's sizes, and where its time went: queued, prefill, then
+        inference and decode after it was scheduled."""
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generation_tokens)
         self.params_n.observe(n)
@@ -344,6 +345,7 @@ class ServerMetrics:
             self.params_max_tokens.observe(max_tokens)
         if metrics is None:
             return
+        self.observe_scheduling(metrics)
         end = getattr(metrics, "finished_time", None) or getattr(metrics, "last_token_time", None)
         scheduled = getattr(metrics, "first_scheduled_time", None)
         first = getattr(metrics, "first_token_time", None)
