@@ -39,6 +39,19 @@ def test_rerun_calls_the_function_again_on_every_change(helpers):
         helpers.Rerun(run, x="not a spec")
 
 
+def test_a_dropdown_whose_first_value_is_none_starts_selected(helpers):
+    """("default", None) first: the dropdown shows it selected (ipywidgets reads value=None as
+    no selection, and the browser's first change would then re-pick it and run nothing)."""
+    calls = []
+    w = helpers.Rerun(lambda mode: calls.append(mode) or "ok",
+                      mode=[("default", None), ("recompute", "recompute")])
+    control = w.controls["mode"]
+    assert (control.index, control.label, control.value) == (0, "default", None)
+    control.index = 1
+    control.index = 0
+    assert calls == [None, "recompute", None] and w.runs == 3
+
+
 def test_rerun_draws_figures_and_lists(helpers):
     import matplotlib.pyplot as plt
 

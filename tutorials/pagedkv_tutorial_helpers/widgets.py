@@ -48,8 +48,9 @@ def _control(name: str, spec: Any):
         return w.IntSlider(value=value, min=lo, max=hi, step=step, description=name,
                            continuous_update=False, style=style)  # fmt: skip
     if isinstance(spec, list) and spec:
-        first = spec[0][1] if isinstance(spec[0], tuple) else spec[0]
-        return w.Dropdown(options=spec, value=first, description=name, style=style)
+        # index, not value: a first choice whose value is None ("default") given as value=None
+        # means "nothing selected" to ipywidgets, and picking it later would change nothing
+        return w.Dropdown(options=spec, index=0, description=name, style=style)
     raise ValueError(
         f"control {name!r}: give (min, max[, step[, value]]) ints, a list of choices, a bool "
         f"or an ipywidgets control, not {spec!r}"
