@@ -219,7 +219,7 @@ def test_the_sweep_script_runs_on_the_cpu(tmp_path) -> None:
         "SERVE_ARGS": "--skip-tokenizer-init --kv-cache-gb 0.25 --max-num-seqs 8",
         "RATES": "4,8", "NUM_PROMPTS": "6", "DURATION_S": "0.75", "VOCAB_SIZE": "49152",
         "WARMUP_REQUESTS": "1", "PAUSE_S": "0", "PORT": str(_free_port()),
-        "BENCH_EXTRA": "--workload random --input-len 8 --output-len 3",
+        "BENCH_EXTRA": "--workload random --input-len 8 --output-len 3 --metrics-period 0.05",
         "DECODE_EXTRA": "--steps 3 --warmup-steps 1", "BUDGET_S": "400",
         "DECODE_RESERVE_S": "60",
     }

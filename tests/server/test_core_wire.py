@@ -54,6 +54,7 @@ def step_messages(draw) -> EngineCoreOutputs:
         token_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
         seq_finishes=fins, logprobs=lps, finished=finished,
         rejected=draw(st.lists(st.tuples(st.text(max_size=4), st.text(max_size=20)), max_size=2)),
+        queues=draw(st.none() | st.tuples(*[st.integers(0, 999)] * 3)),
         stats=draw(st.none() | st.builds(CoreStats, num_running=st.integers(0, 99),
                                          gpu_kv_usage=st.floats(0, 1))),
         prompt_logprobs=draw(st.lists(st.tuples(st.sampled_from(["a", "z"]),
@@ -151,6 +152,10 @@ class _StubEngine:
     def get_stats(self):
         return EngineStats(num_running=len(self.live))
 
+    @property
+    def scheduler(self):
+        return SimpleNamespace(num_running=len(self.live), num_waiting=0, num_swapped=0)
+
     def step(self):
         from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -196,3 +201,25 @@ def test_engine_core_turns_steps_into_messages_and_sends_prompt_logprobs_once() 
     # every message survives the wire
     for msg in (first, second):
         assert decoder(EngineCoreOutputs).decode(Encoder().encode(msg)) == msg
+
+
+def test_queue_lengths_follow_every_step_between_the_counters() -> None:
+    """The full counters go out every `STATS_INTERVAL_S`; the batch size (running, waiting,
+    swapped) with each step that changes it, so a /metrics scrape sees short requests run."""
+    from pagedkv.engine.core.engine_core import EngineCore
+
+    engine = _StubEngine()
+    core = EngineCore(engine)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    core.add_request(EngineCoreRequest.of("a", [1], greedy, 0.0))
+    assert core.step().stats.num_running == 1  # the first counters: not sent yet
+    core.add_request(EngineCoreRequest.of("b", [1], greedy, 0.0))
+    core.add_request(EngineCoreRequest.of("c", [1], greedy, 0.0))
+    grown = core.step()  # a ends, b and c run: within the interval, so no counters
+    assert grown.stats is None and grown.queues == (2, 0, 0)
+    core.add_request(EngineCoreRequest.of("d", [1], greedy, 0.0))
+    core.add_request(EngineCoreRequest.of("e", [1], greedy, 0.0))
+    same = core.step()  # b and c end, d and e run: the same lengths, not sent again
+    assert same.stats is None and same.queues is None and not same.is_empty
+    last = core.step()  # d and e end: idle, so the counters go out
+    assert last.stats is not None and last.stats.num_running == 0 and last.queues is None

@@ -29,6 +29,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.core.client import CoreClient, EngineDeadError, InprocClient, MPClient
 from pagedkv.engine.core.engine_core import core_params
@@ -139,7 +141,7 @@ class AsyncLLMEngine:
 
     def get_stats(self) -> CoreStats:
         """The engine's counters as of its last message (sent at least every 0.5 s while it
-        runs, and when it goes idle)."""
+        runs, and when it goes idle); the queue lengths as of its last step."""
         return self._stats
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
@@ -208,6 +210,10 @@ class AsyncLLMEngine:
             self.client.abort(to_abort)
         if msg.stats is not None:
             self._stats = msg.stats
+        elif msg.queues is not None:
+            running, waiting, swapped = msg.queues
+            self._stats = msgspec.structs.replace(
+                self._stats, num_running=running, num_waiting=waiting, num_swapped=swapped)
         for listener in self.step_listeners:
             listener(msg)
         self.num_step_messages += 1

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 #: Most often the engine's counters ride along with a step's message: gathering them walks
 #: the block pool (milliseconds with tens of thousands of blocks, on the step loop's thread),
 #: and /metrics is scraped every few seconds. They are always sent when the engine goes idle.
+#: The queue lengths (the batch size) are cheap and go with every step that changes them.
 STATS_INTERVAL_S = 0.5
 
 
@@ -71,6 +72,7 @@ class EngineCore:
         self._rejected: list[tuple[str, str]] = []
         self._last_stats = 0.0
         self._stats_dirty = True
+        self._queues_sent = (0, 0, 0)
 
     def ready_message(self) -> EngineCoreReady:
         e = self.engine
@@ -140,6 +142,11 @@ class EngineCore:
         idle = not self.engine.has_unfinished_requests()
         if (idle and self._stats_dirty) or now - self._last_stats >= STATS_INTERVAL_S:
             msg.stats = self.stats()
+        else:
+            sched = self.engine.scheduler
+            queues = (sched.num_running, sched.num_waiting, sched.num_swapped)
+            if queues != self._queues_sent:
+                msg.queues = self._queues_sent = queues
         msg.timestamp = now
         return msg
 
@@ -155,7 +162,9 @@ class EngineCore:
     def stats(self) -> CoreStats:
         self._last_stats = time.time()
         self._stats_dirty = False
-        return CoreStats.of(self.engine.get_stats())
+        stats = CoreStats.of(self.engine.get_stats())
+        self._queues_sent = (stats.num_running, stats.num_waiting, stats.num_swapped)
+        return stats
 
     def _complete_prompt_logprobs(self, finished_outputs) -> list[tuple[str, bytes]]:
         """Prompt logprobs that became complete in this step (or ended with their request)."""

@@ -8,8 +8,8 @@ Requests are rare and outputs are the hot path, so the two directions are built 
 * **out** (core -> API process), **one message per step**: `EngineCoreOutputs` holds the step's
   new tokens as flat parallel lists (request id, sequence index, token id: one entry per token,
   never an object per token), the sequences that finished (sparse), log-probabilities only for
-  requests that asked for them (sparse), the requests that ended, and now and then the
-  engine's counters.
+  requests that asked for them (sparse), the requests that ended, the queue lengths whenever
+  they changed, and now and then the engine's counters.
 
 Every frame is `[kind, payload]`: `kind` is one byte (`KIND_*`), `payload` msgpack. Structs
 are `array_like` (no field names on the wire) and `gc=False` (they hold no cycles).
@@ -130,13 +130,16 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     #: (request id, pickled prompt logprobs), once per request that asked for them, in the
     #: message of the step that computed the last of them (with its first token)
     prompt_logprobs: list[tuple[str, bytes]] = []
+    #: (running, waiting, swapped) requests after the step, when they changed: the /metrics
+    #: gauges of the batch size follow every step, the costlier `stats` only every so often
+    queues: tuple[int, int, int] | None = None
     stats: CoreStats | None = None
     timestamp: float = 0.0  # the core's time.time() when it sent the message
 
     @property
     def is_empty(self) -> bool:
         return not (self.token_ids or self.finished or self.rejected or self.stats
-                    or self.prompt_logprobs)
+                    or self.prompt_logprobs or self.queues)
 
 
 class EngineCoreReady(msgspec.Struct, gc=False):
