@@ -3,13 +3,18 @@
 Build it with ``sphinx-build -W --keep-going -n docs docs/_build/html`` (the test suite does,
 in ``tests/docs/test_sphinx_build.py``). Nothing is executed or downloaded at build time: the
 API reference comes from the installed packages' docstrings, the CLI reference from
-``pagedkv.engine.cli.build_parser()``, the tutorials are rendered from the committed notebooks
-without running them, and the performance page reads ``docs/performance/*.json``.
+``pagedkv.engine.cli.build_parser()``, and the performance page reads
+``docs/performance/*.json``. The tutorials are shown executed, with their outputs and widget
+state, from the copies ``python scripts/run_tutorials.py --docs`` makes (in
+``docs/_executed_tutorials/``, each stamped with the sha256 of the notebook, its solutions and
+the helper package); with ``PAGEDKV_DOCS_EXECUTE=1`` the build makes the missing or stale ones
+itself. A notebook without a current executed copy is shown as committed, without outputs, and
+its page says so.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
 import sys
 from pathlib import Path
 
@@ -42,14 +47,20 @@ pagedkv_packages = [
 
 # .rst first: autosummary writes its generated API pages with the first suffix.
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
-exclude_patterns = ["_build", "dev", "performance/_generated/*.json", "**/.ipynb_checkpoints"]
+exclude_patterns = [
+    "_build",
+    "dev",
+    "performance/_generated/*.json",
+    "**/.ipynb_checkpoints",
+    "_executed_tutorials",
+]
 templates_path = ["_templates"]
 
 # --- MyST and notebooks ---------------------------------------------------------------------
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 myst_ref_domains = ["std", "py"]  # where [text](target) links may resolve
-nb_execution_mode = "off"  # the test suite executes the notebooks; the docs only render them
+nb_execution_mode = "off"  # executed copies come from scripts/run_tutorials.py (see above)
 nb_merge_streams = True
 
 # --- API reference ----------------------------------------------------------------------------
@@ -87,18 +98,62 @@ suppress_warnings = [
 ]
 
 
+def _runner():
+    """scripts/run_tutorials.py, imported by path (it is a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_tutorials", ROOT / "scripts" / "run_tutorials.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+NOT_EXECUTED = (
+    "```{note}\nThis page shows the notebook as committed, without outputs: no current executed "
+    "copy was found when the docs were built. Run `python scripts/run_tutorials.py --docs` "
+    "before `sphinx-build` (or build with `PAGEDKV_DOCS_EXECUTE=1`) to see it executed.\n```"
+)
+
+
 def _copy_tutorials() -> None:
-    """Copy the committed notebooks into the source tree (docs/tutorials/) for rendering."""
+    """Put each tutorial into the source tree (docs/tutorials/): its executed copy when one
+    matches the current sources, else the committed notebook with a note saying so."""
+    import nbformat
+
+    runner = _runner()
     src = ROOT / "tutorials"
     dst = DOCS / "tutorials"
     notebooks = sorted(src.glob("[0-9][0-9]_*.ipynb"))
-    for nb in notebooks:
-        target = dst / nb.name
-        if not target.exists() or target.read_bytes() != nb.read_bytes():
-            shutil.copyfile(nb, target)
-    for stale in dst.glob("*.ipynb"):
-        if stale.name not in {nb.name for nb in notebooks}:
-            stale.unlink()
+    stale = []
+    for nb_path in notebooks:
+        executed = runner.DOCS_COPIES / nb_path.name
+        stamp = runner.source_stamp(nb_path)
+        ok = executed.exists() and (
+            nbformat.read(executed, as_version=4).metadata.get("pagedkv", {}).get("source_sha256") == stamp
+        )
+        if not ok:
+            stale.append(nb_path)
+    if stale and os.environ.get("PAGEDKV_DOCS_EXECUTE") == "1":
+        runner.DOCS_COPIES.mkdir(parents=True, exist_ok=True)
+        with runner.kernel_env() as kernel:
+            for nb_path in stale:
+                result = runner.execute(nb_path, kernel)
+                nbformat.write(result.executed, runner.DOCS_COPIES / nb_path.name)
+        stale = []
+    for nb_path in notebooks:
+        target = dst / nb_path.name
+        if nb_path in stale:
+            nb = nbformat.read(nb_path, as_version=4)
+            nb.cells.insert(1, nbformat.v4.new_markdown_cell(NOT_EXECUTED))
+            data = nbformat.writes(nb).encode()
+        else:
+            data = (runner.DOCS_COPIES / nb_path.name).read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            target.write_bytes(data)
+    for old in dst.glob("*.ipynb"):
+        if old.name not in {nb.name for nb in notebooks}:
+            old.unlink()
 
 
 _copy_tutorials()

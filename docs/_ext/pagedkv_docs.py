@@ -126,7 +126,9 @@ def compute_exclusions(package_names: list[str]) -> dict[str, list[str]]:
             qual = getattr(obj, "__qualname__", None)
             if obj is None or isinstance(obj, types.ModuleType) or mod is None or qual is None:
                 continue
-            if mod == pkg_name or mod.startswith(pkg_name + "."):
+            if getattr(obj, "__name__", name) != name and obj.__name__ in public:
+                foreign.append(name)  # an alias (GuidedDecodingParams): its class is documented
+            elif mod == pkg_name or mod.startswith(pkg_name + "."):
                 documented_here.add((mod, qual))
             else:  # re-exported from a sibling distribution: documented on its own page
                 foreign.append(name)
@@ -136,8 +138,12 @@ def compute_exclusions(package_names: list[str]) -> dict[str, list[str]]:
             names = sorted(
                 name
                 for name, obj in vars(module).items()
-                if getattr(obj, "__module__", None) == module.__name__
-                and (module.__name__, getattr(obj, "__qualname__", None)) in documented_here
+                if (
+                    getattr(obj, "__module__", None) == module.__name__
+                    or name in getattr(module, "__all__", ())  # a subpackage's re-export
+                )
+                and (getattr(obj, "__module__", None), getattr(obj, "__qualname__", None))
+                in documented_here
             )
             if names:
                 exclude[module.__name__] = names

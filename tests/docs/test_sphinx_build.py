@@ -24,6 +24,7 @@ PAGES = [
     "architecture.html",
     "cli.html",
     "tensor-parallel.html",
+    "paper-reproduction.html",
     "packages/kvblocks.html",
     "packages/pagedattn-kernels.html",
     "packages/scheduler.html",

@@ -168,3 +168,24 @@ def test_schedule_ahead_is_refused_when_it_cannot_hold(make_engine):
     sched.update(ahead, {ahead.scheduled[0].seq_id: [2]})
     assert sched.get_group("x").seqs[0].token_ids[-2:] == [1, 2]
     sched.abort("x")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_dropped_engine_is_freed_at_once(make_engine, async_scheduling):
+    """No reference cycle keeps an engine (its KV cache, on a GPU its weights too) alive after
+    its last reference goes: a second engine in the same process must find the memory free
+    without waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    engine = make_engine(async_scheduling)
+    run(engine, [SamplingParams(max_tokens=4, temperature=0.0)] * 2)
+    gone, kv = weakref.ref(engine), weakref.ref(engine.runner)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del engine
+        assert gone() is None and kv() is None
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -100,6 +100,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(
         ("chunked-prefill", dict(max_num_batched_tokens=8), False),
         ("prefix-caching", dict(enable_prefix_caching=True), False),
         ("block-size-8", dict(block_size=8), False),
+        ("block-size-128", dict(block_size=128), False),
     ],
 )
 def test_outputs_identical_under_memory_policies(make_engine, baseline, name, overrides, expect_preemption):

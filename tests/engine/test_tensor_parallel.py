@@ -1005,3 +1005,42 @@ def test_runner_attributes_read_rank_0s_but_methods_must_be_forwarded():
     assert runner.max_blocks_per_seq == 7
     with pytest.raises(AttributeError, match="not forwarded to the tensor-parallel workers"):
         runner.warm_up()
+
+
+@pytest.mark.slow
+def test_tp_diag_script_reports_every_rank_s_steps_by_kind(checkpoints, one_thread, monkeypatch,
+                                                           tmp_path, capsys):
+    """`scripts/tp_diag.py` (PAGEDKV_TP_DIAG=1) on the CPU: each rank reports the same steps by
+    kind of pass as the other and as `rank_stats` counts; the worker's time blocked for the
+    message and every rank's wait at the step's start (the probe all-reduce) are measured; the
+    GPU column is absent off the GPU."""
+    import importlib.util
+
+    monkeypatch.setenv("PAGEDKV_TP_DIAG", "1")
+    spec = importlib.util.spec_from_file_location("tp_diag", REPO / "scripts" / "tp_diag.py")
+    tp_diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_diag)
+    out_json = tmp_path / "diag.json"
+    rc = tp_diag.main([
+        "--model", str(checkpoints["llama-gqa-bias"]), "--device", "cpu", "--dtype", "float32",
+        "--tensor-parallel-size", "2", "--async-scheduling", "--kv-cache-gb", "0.01",
+        "--swap-space", "0.01", "--distributed-timeout", "60", "--num-prompts", "12",
+        "--input-len", "9", "--output-len", "6", "--output-json", str(out_json),
+    ])
+    assert rc == 0
+    assert not multiprocessing.active_children()
+    result = json.loads(out_json.read_text())
+    timings, stats = result["rank_timings"], result["rank_stats"]
+    assert len(timings) == 2
+    steps = [{key: row["steps"] for key, row in t.items()} for t in timings]
+    assert steps[0] == steps[1], "the ranks ran different passes"
+    assert sum(steps[0].values()) == stats[0]["steps"] - result["warmup_steps"] > 0
+    kinds = {key.rsplit(" ", 1)[0] for key in steps[0]}
+    assert kinds == {"prefill/mixed", "decode-eager"}  # CPU: no CUDA graphs
+    for rank, t in enumerate(timings):
+        for row in t.values():
+            assert "gpu_ms" not in row
+            assert row["sync_ms"]["median"] >= 0 and row["host_ms"]["median"] > 0
+            assert (row["wait_ms"]["total"] > 0) == (rank == 1)  # only workers wait for it
+    printed = capsys.readouterr().out
+    assert "output tok/s" in printed and "decode-eager 1-64" in printed

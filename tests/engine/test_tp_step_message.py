@@ -197,3 +197,47 @@ def test_argmax_over_vocabulary_slices_is_the_whole_argmax(rows, vocab, ranks, d
         pairs.append(slice_best(part, start))
     got = pick_best(torch.stack(pairs))
     assert got.tolist() == logits.float().argmax(dim=-1).tolist()
+
+
+# --------------------------------------------------------------------------- over gloo
+
+
+def _echo_messages(rank: int, store_path: str, sizes: list[int]) -> None:
+    """Rank 0 sends a message of each payload size; rank 1 receives it and sends back what it
+    got (header and payload flattened), which rank 0 compares with what it sent."""
+    import torch.distributed as dist
+
+    from pagedkv.engine.distributed.step_message import recv_message, send_message
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        for size in sizes:
+            if rank == 0:
+                msg = torch.arange(HEADER_LEN + size, dtype=torch.long) * 7 - 3
+                msg[:HEADER_LEN] = control_message(Kind.STEP)
+                msg[1] = size  # the payload length field
+                send_message(msg, None)
+                back = torch.empty(HEADER_LEN + size, dtype=torch.long)
+                dist.broadcast(back, src=1)
+                if not torch.equal(back, msg):
+                    raise AssertionError(f"payload of {size} ints arrived changed")
+            else:
+                header, payload = recv_message(None)
+                if payload.numel() != size:
+                    raise AssertionError(f"{payload.numel()} ints arrived, {size} sent")
+                dist.broadcast(torch.cat((header, payload)), src=1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_messages_of_every_size_arrive_whole_over_gloo(tmp_path):
+    """A message travels in one broadcast when it fits FIRST_LEN ints, else in two: every size
+    around that boundary (and none) arrives exactly as sent."""
+    import torch.multiprocessing as tmp
+
+    from pagedkv.engine.distributed.step_message import FIRST_LEN
+
+    edge = FIRST_LEN - HEADER_LEN
+    sizes = [0, 1, 3000, edge - 1, edge, edge + 1, 3 * FIRST_LEN + 5, 2]
+    tmp.spawn(_echo_messages, args=(str(tmp_path / "store"), sizes), nprocs=2, join=True)

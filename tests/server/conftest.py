@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import socket
@@ -70,7 +71,11 @@ class Launch:
     headers: dict[str, str]
 
 
-def launch_server(log_path: Path, *extra: str) -> Launch:
+def launch_server(
+    log_path: Path, *extra: str, new_session: bool = False, max_body_bytes: int = MAX_BODY_BYTES
+) -> Launch:
+    """Start `pagedkv serve` (`new_session`: in a process group of its own, as a terminal's
+    foreground job is, so that a test can send Ctrl-C's SIGINT to the whole group)."""
     port = free_port()
     cmd = [
         *pagedkv_command(),
@@ -78,14 +83,16 @@ def launch_server(log_path: Path, *extra: str) -> Launch:
         "--port",
         str(port),
         "--max-body-bytes",
-        str(MAX_BODY_BYTES),
+        str(max_body_bytes),
         "--uvicorn-log-level",
         "warning",
         *extra,
     ]
     log = open(log_path, "w")  # noqa: SIM115 - the child writes to it for its whole life
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
+    )
     headers = {}
     if "--api-key" in extra:
         headers["Authorization"] = f"Bearer {extra[extra.index('--api-key') + 1]}"
@@ -113,6 +120,32 @@ def wait_ready(launch: Launch) -> RunningServer:
     return RunningServer(url, proc, log_path, card["id"], int(card["max_model_len"]))
 
 
+def core_pid(log_text: str) -> int:
+    """The engine core's process id, from the server's log."""
+    m = re.search(r"engine core process started \(pid (\d+)\)", log_text)
+    if m is None:
+        raise AssertionError("no engine core pid in the server's log:\n" + log_text[-2000:])
+    return int(m.group(1))
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (it exited and waits to be reaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process_gone(pid):
+            return True
+        time.sleep(0.05)
+    return process_gone(pid)
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> int | None:
     """SIGTERM, then SIGKILL if it does not go; returns the exit code."""
     if proc.poll() is None:
@@ -133,7 +166,7 @@ API_KEY = "sk-test-123"
 def _launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launch]]:
     """Both test servers start at once: loading the model dominates, and the loads overlap."""
     base = tmp_path_factory.mktemp("servers")
-    launches = {"main": launch_server(base / "main.log")}
+    launches = {"main": launch_server(base / "main.log", "--trust-request-chat-template")}
     launches["keyed"] = launch_server(
         base / "keyed.log", "--api-key", API_KEY, "--served-model-name", "tiny", "smol"
     )

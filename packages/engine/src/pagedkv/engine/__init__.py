@@ -23,7 +23,7 @@ _EXPORTS = {
     "LLMEngine": "pagedkv.engine.llm_engine",
     "EngineStats": "pagedkv.engine.llm_engine",
     "AsyncLLMEngine": "pagedkv.engine.async_engine",
-    "EngineDeadError": "pagedkv.engine.async_engine",
+    "EngineDeadError": "pagedkv.engine.core.client",
     "EngineArgs": "pagedkv.engine.arg_utils",
     "SamplingParams": "pagedkv.engine.sampling_params",
     "SamplingType": "pagedkv.engine.sampling_params",
@@ -36,6 +36,7 @@ _EXPORTS = {
     "ModelConfig": "pagedkv.engine.config",
     "RunnerOutput": "pagedkv.engine.outputs",
     "StepRecord": "pagedkv.engine.step_record",
+    "SeqBlocks": "pagedkv.engine.step_record",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -15,7 +15,7 @@ from typing import Any
 from kvblocks import check_block_size
 
 #: Block sizes the attention kernels are built and tested for (kvblocks takes any power of two).
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _PREEMPTION_MODES = (None, "recompute", "swap")

@@ -1,165 +1,229 @@
-"""`AsyncLLMEngine`: the engine behind an asyncio server.
+"""`AsyncLLMEngine`: the engine behind an asyncio server, with one async stream per request.
 
-The engine loop runs in one background thread (a step is CPU or GPU bound and must not block
-the event loop that serves HTTP). Requests and aborts reach the loop through a thread-safe
-queue; each request's outputs come back to its own `asyncio.Queue`. Cancelling a request's
-stream (for example when the HTTP client disconnects) aborts the request, which frees its
-KV blocks at the next step boundary.
+The engine's step loop runs apart from the event loop that serves HTTP:
+
+* `AsyncLLMEngine.from_engine_args(args)` (the server's way) starts the **engine core in its
+  own process** (`pagedkv.engine.core`): a busy loop with no asyncio that takes requests and
+  aborts over ZMQ between steps and answers each step with one compact message. Per-token
+  work for many streams (detokenization, stop strings, logprobs, JSON) never shares a GIL
+  with the step loop.
+* `AsyncLLMEngine(engine)` runs the same core in a thread of this process (tests,
+  notebooks): the same messages, the same code on this side, no extra process.
+
+This side (the *frontend*) checks and tokenizes each request (`InputProcessor`, with the
+core's limits), sends it, and applies every step message to the live requests
+(`pagedkv.engine.core.frontend`): detokenization, stop strings (a stop string aborts the
+request in the core), logprobs. Cancelling a request's stream (for example when the HTTP
+client disconnects) aborts the request, which frees its KV blocks at the core's next step.
+When the core dies, every stream ends with `EngineDeadError`, `errored` turns true and
+`on_dead` is called.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import logging
-import queue
-import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from pagedkv.engine.arg_utils import EngineArgs
-from pagedkv.engine.llm_engine import EngineStats, LLMEngine
+from pagedkv.engine.core.client import CoreClient, EngineDeadError, InprocClient, MPClient
+from pagedkv.engine.core.engine_core import core_params
+from pagedkv.engine.core.frontend import FrontendOutputs, OutputKind
+from pagedkv.engine.core.messages import CoreStats, EngineCoreOutputs
+from pagedkv.engine.input_processor import InputProcessor, PreparedRequest
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped because of an error; the server should report unhealthy."""
-
-
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+__all__ = ["AsyncLLMEngine"]
 
 
 class AsyncLLMEngine:
-    """An `LLMEngine` driven by a background thread, with one async stream per request."""
+    """Async streams over an engine core (its own process, or a thread; see the module
+    docstring)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._stats = engine.get_stats()
-        self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
-        self._thread.start()
+    def __init__(self, engine: Any = None, *, client: CoreClient | None = None,
+                 tokenizer: Any = None) -> None:
+        """`AsyncLLMEngine(engine)`: an `LLMEngine` stepped in a thread of this process.
+        `client` and `tokenizer` are `from_engine_args`'s (the core in its own process)."""
+        if (engine is None) == (client is None):
+            raise ValueError("give an LLMEngine (in-process) or use from_engine_args(args)")
+        if engine is not None:
+            client = InprocClient(engine)
+            shared = engine.get_tokenizer()
+            # The engine thread may tokenize a text prompt of its own: never share a fast
+            # tokenizer between two threads.
+            tokenizer = copy.deepcopy(shared) if shared is not None else None
+        self.engine = engine  # the in-process LLMEngine, or None
+        self.client = client
+        self.tokenizer = tokenizer
+        ready = client.ready
+        self.model_config = ready  # .name, .max_model_len, .vocab_size
+        self.inputs = InputProcessor(
+            tokenizer, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
+            kv_capacity=ready.kv_capacity, max_num_seqs=ready.max_num_seqs,
+        )
+        self.outputs = FrontendOutputs(tokenizer, ready.eos_token_ids)
+        self._stats = CoreStats(num_gpu_blocks=ready.num_gpu_blocks,
+                                num_cpu_blocks=ready.num_cpu_blocks)
+        self._dead: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
+        #: Called once, on the event loop, when the engine core dies (the server stops then).
+        self.on_dead: Callable[[BaseException], None] | None = None
+        #: Called on the event loop with each step message (read-only: metrics).
+        self.step_listeners: list[Callable[[EngineCoreOutputs], None]] = []
+        #: Step messages handled, and the seconds spent handling them (where the time goes).
+        self.num_step_messages = 0
+        self.output_seconds = 0.0
+        with contextlib.suppress(RuntimeError):  # no loop yet: attached at the first request
+            self._attach(asyncio.get_running_loop())
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(args))
+    def from_engine_args(cls, args: EngineArgs, *, multiprocess: bool = True) -> AsyncLLMEngine:
+        """The engine for `args`. `multiprocess` (default): the core in its own process, which
+        this call starts and waits for (a bad option raises `ValueError`); otherwise in a
+        thread of this one."""
+        if not multiprocess:
+            from pagedkv.engine.llm_engine import LLMEngine
+
+            return cls(LLMEngine.from_engine_args(args))
+        from pagedkv.engine.config import ModelConfig
+        from pagedkv.engine.llm_engine import load_tokenizer
+
+        # Checked here first: a bad model or option fails before a process starts.
+        mc = ModelConfig.from_model(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                                    load_format=args.load_format, device="cpu")
+        client = MPClient(args)
+        try:
+            tokenizer = load_tokenizer(args, mc)  # while the core loads the model
+            client.wait_ready()
+        except BaseException:
+            client.shutdown(timeout=0)
+            raise
+        logger.info("engine core ready: %s on %s (pid %d), %d KV blocks of %d tokens",
+                    client.ready.name, client.ready.device, client.ready.pid,
+                    client.ready.num_gpu_blocks, client.ready.block_size)
+        return cls(client=client, tokenizer=tokenizer)
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None:
+            self._loop = loop
+            self.client.start(loop, self._on_outputs, self._on_dead)
 
     # ---- what the server uses ---------------------------------------------------------------
-    @property
-    def model_config(self):
-        return self.engine.model_config
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
-    def get_tokenizer(self):
-        return self.engine.get_tokenizer()
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id (None when it runs in this process)."""
+        return getattr(self.client, "pid", None)
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return self._dead is None and not self._stopped
 
     @property
     def errored(self) -> bool:
-        return self._error is not None or (not self._thread.is_alive() and not self._stop.is_set())
+        return self._dead is not None
 
     async def check_health(self) -> None:
-        if self.errored:
-            raise EngineDeadError(f"the engine loop died: {self._error!r}")
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
 
-    def get_stats(self) -> EngineStats:
-        """The stats of the last step boundary (read without locking the engine)."""
+    def get_stats(self) -> CoreStats:
+        """The engine's counters as of its last message (sent at least every 0.5 s while it
+        runs, and when it goes idle); the queue lengths as of its last step."""
         return self._stats
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request; the last one has `finished=True`.
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
+        """Check and tokenize a request as `generate` would (raises `ValueError`); safe to call
+        from a worker thread, so that a server keeps big prompts and grammar compilation off
+        its event loop and then passes the result to `generate`."""
+        return self.inputs.prepare(prompt, params)
 
-        Invalid input raises `ValueError` before anything is queued."""
-        if self.errored:
-            raise EngineDeadError(f"the engine loop died: {self._error!r}")
-        prepared = self.engine.prepare_request(prompt, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already running")
-            self._streams[request_id] = stream
-        self._inbox.put(("add", (request_id, prepared)))
-        self._wake.set()
-        finished = False
+    async def generate(
+        self,
+        prompt: str | list[int] | PreparedRequest,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        output_kind: OutputKind = "cumulative",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the last one has `finished=True`.
+
+        `output_kind`: "cumulative" (everything so far, each time), "delta" (what is new since
+        the last output; needs best_of == n, no beam search) or "final" (only the finished
+        output). Invalid input raises `ValueError` before anything is queued. `prompt` may be
+        `prepare(prompt, params)`'s result (then it is not checked again)."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        self._attach(asyncio.get_running_loop())
+        arrival = time.time()
+        if isinstance(prompt, PreparedRequest):
+            prep = prompt
+        else:
+            prep = self.inputs.prepare(prompt, params)
+        st = self.outputs.add(request_id, prep, output_kind, arrival)
+        self.client.add_request(request_id, prep.prompt_token_ids, core_params(prep.params),
+                                arrival)
+        take = self.outputs.take
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+                st.event.clear()
+                out = take(st)
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        return
+                    continue
+                if st.error is not None:
+                    raise st.error
+                await st.event.wait()
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(("abort", request_id))
-                self._wake.set()
+            self.outputs.pop(request_id)
+            if not st.core_done and self._dead is None:
+                self.client.abort([request_id])
 
     async def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        """Abort a request; its stream ends with finish reason "abort"."""
+        self.client.abort([request_id])
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.engine.shutdown()  # tensor-parallel workers, if any
+        """Stop the engine core (its process or thread) and release its resources."""
+        self._stopped = True
+        self.client.shutdown(timeout)
 
-    # ---- the loop -------------------------------------------------------------------------
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    # ---- the core's messages ------------------------------------------------------------------
+    def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        t0 = time.perf_counter()
+        to_abort = self.outputs.process(msg)
+        if to_abort:
+            self.client.abort(to_abort)
+        if msg.stats is not None:
+            self._stats = msg.stats
+        elif msg.queues is not None:
+            running, waiting, swapped = msg.queues
+            self._stats = msgspec.structs.replace(
+                self._stats, num_running=running, num_waiting=waiting, num_swapped=swapped)
+        for listener in self.step_listeners:
+            listener(msg)
+        self.num_step_messages += 1
+        self.output_seconds += time.perf_counter() - t0
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                request_id, prepared = payload
-                with self._lock:
-                    live = request_id in self._streams
-                if live:  # the client may have gone before the loop saw the request
-                    self.engine.add_prepared_request(request_id, prepared)
-            else:
-                self.engine.abort_request(payload)
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
-                    self._stats = self.engine.get_stats()
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-                self._stats = self.engine.get_stats()
-        except BaseException as exc:  # the loop must report, never vanish silently
-            logger.exception("engine loop died")
-            self._error = exc
-            with self._lock:
-                ids = list(self._streams)
-            for rid in ids:
-                self._deliver(rid, EngineDeadError(f"the engine loop died: {exc!r}"))
+    def _on_dead(self, exc: BaseException) -> None:
+        if self._dead is not None or self._stopped:
+            return
+        self._dead = exc
+        logger.error("%s", exc)
+        self.outputs.fail_all(exc)
+        if self.on_dead is not None:
+            self.on_dead(exc)

@@ -20,6 +20,7 @@ in flight is applied first and the engine takes the plain step.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.distributed.executor import TensorParallelError
@@ -33,8 +34,13 @@ class AsyncScheduling:
     """The engine's step with one batch in flight (see the module docstring)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.in_flight = None  # (SchedulerOutput, worker.model_runner.InFlightStep)
+        # The engine owns this strategy: a proxy keeps the pair out of a reference cycle, so
+        # dropping an engine frees its weights and KV cache at once, not at the next garbage
+        # collection (a second engine in the same process would not fit on the GPU meanwhile).
+        self.engine = weakref.proxy(engine)
+        # (SchedulerOutput, worker.model_runner.InFlightStep, the block tables it launched with
+        # when observed: kvblocks' lists grow again when the next step is scheduled ahead)
+        self.in_flight = None
 
     def step(self) -> list[RequestOutput]:
         """Launch the next pass, then apply the one in flight."""
@@ -55,7 +61,8 @@ class AsyncScheduling:
         results += engine.outputs.finished_outside(out.finished, now)
         if not out.is_empty:
             try:
-                self.in_flight = (out, engine.runner.execute_async(out))
+                tables = [tuple(ss.block_table) for ss in out.scheduled] if engine.observed else None
+                self.in_flight = (out, engine.runner.execute_async(out), tables)
             except TensorParallelError as exc:  # a rank died: no step can run any more
                 engine.fail(exc)
                 raise
@@ -78,7 +85,7 @@ class AsyncScheduling:
         """Wait for a launched step's tokens and apply them. Requests that ended since it was
         launched (aborted, or stopped by the step before) are skipped by `update`."""
         engine = self.engine
-        out, launched = in_flight
+        out, launched, tables = in_flight
         t0 = time.perf_counter()
         try:
             result = launched.result()
@@ -91,6 +98,6 @@ class AsyncScheduling:
         t2 = time.perf_counter()
         results = engine.outputs.process(out, result, samples, update, time.time())
         if engine.observed:
-            engine.observe(out, samples, update, results, wait=t1 - t0, update=t2 - t1,
-                           output=time.perf_counter() - t2)
+            engine.observe(out, samples, update, results, tables=tables, wait=t1 - t0,
+                           update=t2 - t1, output=time.perf_counter() - t2)
         return results

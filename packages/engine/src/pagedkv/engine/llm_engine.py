@@ -30,7 +30,7 @@ from pagedkv.engine.input_processor import InputProcessor, PreparedRequest
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput, RunnerOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.step_record import ScheduledSeq, StepRecord
+from pagedkv.engine.step_record import ScheduledSeq, SeqBlocks, StepRecord
 from pagedkv.engine.worker.model_runner import resolve_device
 from pagedkv.scheduler import AsyncScheduler, RequestParams, Scheduler, SchedulerConfig
 
@@ -55,6 +55,20 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_gpu_blocks: int = 0
     num_cpu_blocks: int = 0
+
+
+def load_tokenizer(args: EngineArgs, model_config: ModelConfig):
+    """The tokenizer, or None when the engine runs on token ids only (`skip_tokenizer_init`,
+    or a bundled shape-only config, which has no tokenizer). The API process of a server loads
+    its own with this, exactly as the engine core does."""
+    if args.skip_tokenizer_init or (model_config.is_bundled_shape and not args.tokenizer):
+        logger.info("no tokenizer: prompts must be token ids and outputs carry token ids only")
+        return None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    return model_config.get_tokenizer()
 
 
 class LLMEngine:
@@ -100,6 +114,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                        self.scheduler.finish_sequence)
         self._observers: list[StepObserver] = []
+        self._table_observers: list[StepObserver] = []  # those that asked for block_tables
         self._num_steps = 0
         self._fatal: TensorParallelError | None = None  # set when a tensor-parallel rank died
         self._async = AsyncScheduling(self) if use_async else None
@@ -120,17 +135,7 @@ class LLMEngine:
         return cls(args)
 
     def _load_tokenizer(self):
-        """The tokenizer, or None when the engine runs on token ids only (`skip_tokenizer_init`,
-        or a bundled shape-only config, which has no tokenizer)."""
-        args = self.args
-        if args.skip_tokenizer_init or (self.model_config.is_bundled_shape and not args.tokenizer):
-            logger.info("no tokenizer: prompts must be token ids and outputs carry token ids only")
-            return None
-        if args.tokenizer:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(args.tokenizer)
-        return self.model_config.get_tokenizer()
+        return load_tokenizer(self.args, self.model_config)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer, or None when the engine runs on token ids only."""
@@ -257,11 +262,25 @@ class LLMEngine:
             num_gpu_blocks=kv.gpu_total, num_cpu_blocks=kv.cpu_total,
         )
 
-    def add_step_observer(self, observer: StepObserver) -> Callable[[], None]:
+    def add_step_observer(
+        self, observer: StepObserver, *, block_tables: bool = False
+    ) -> Callable[[], None]:
         """Call `observer(StepRecord)` after every step that ran a batch; returns a function
-        that removes it. Observers must not change the engine."""
+        that removes it. Observers must not change the engine.
+
+        `block_tables=True`: the records also carry every live sequence's blocks after the step
+        (`StepRecord.block_tables`), a copy of O(blocks in use) per step that only such an
+        observer pays for."""
         self._observers.append(observer)
-        return lambda: self._observers.remove(observer)
+        if block_tables:
+            self._table_observers.append(observer)
+
+        def remove() -> None:
+            self._observers.remove(observer)
+            if observer in self._table_observers:
+                self._table_observers.remove(observer)
+
+        return remove
 
     @property
     def observed(self) -> bool:
@@ -322,15 +341,19 @@ class LLMEngine:
             self.scheduler.abort(rid)
         self.scheduler.update(out, {})
 
-    def observe(self, out, samples, update, results, **timings: float) -> None:
-        """Tell the step observers what the step did (a `StepRecord`)."""
+    def observe(self, out, samples, update, results, /, *, tables=None, **timings: float) -> None:
+        """Tell the step observers what the step did (a `StepRecord`). The first four are
+        positional-only: the timings have the phases' names, `update` among them. `tables`:
+        the scheduled sequences' block tables as the step launched with them (asynchronous
+        scheduling has grown kvblocks' lists for the next step by now); None: read them now."""
         self._num_steps += 1
         sched = self.scheduler
         record = StepRecord(
             step=self._num_steps,
             scheduled=tuple(ScheduledSeq(ss.seq_id, ss.request_id, ss.start, ss.num_tokens,
-                                         ss.is_prefill, ss.do_sample, tuple(ss.block_table))
-                            for ss in out.scheduled),
+                                         ss.is_prefill, ss.do_sample,
+                                         tables[i] if tables is not None else tuple(ss.block_table))
+                            for i, ss in enumerate(out.scheduled)),
             blocks_to_swap_out=tuple(out.blocks_to_swap_out),
             blocks_to_swap_in=tuple(out.blocks_to_swap_in),
             blocks_to_copy=tuple(out.blocks_to_copy),
@@ -343,6 +366,21 @@ class LLMEngine:
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             num_swapped=sched.num_swapped,
             timings=timings,
+            num_free_cpu_blocks=sched.block_manager.cpu_pool.num_free,
+            num_cpu_blocks=sched.config.num_cpu_blocks,
+            block_tables=self._block_tables() if self._table_observers else (),
         )
         for fn in list(self._observers):
             fn(record)
+
+    def _block_tables(self) -> tuple[SeqBlocks, ...]:
+        """Every live sequence's blocks now (running, then swapped groups)."""
+        sched = self.scheduler
+        bm = sched.block_manager
+        return tuple(
+            SeqBlocks(seq.seq_id, group.request_id, bm.num_slots(seq.seq_id),
+                      bm.location(seq.seq_id), tuple(bm.block_table_ref(seq.seq_id)))
+            for group in (*sched.running, *sched.swapped)
+            for seq in group.seqs
+            if not seq.is_finished and bm.has_seq(seq.seq_id)
+        )

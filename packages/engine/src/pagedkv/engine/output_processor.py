@@ -17,6 +17,11 @@ Per step, the engine calls:
   parent's output state, each new token goes to its sequence's detokenizer (a stop string
   ends the sequence through `finish_sequence`), and the requests touched get a
   `RequestOutput` (finished ones always; running ones when `emit_partial_outputs`).
+
+The engine-core process (`pagedkv.engine.core`) runs without detokenization and without
+partial outputs: it sets `deltas` to a `StepDeltas`, which collects each step's new tokens as
+flat lists (one entry per token, no object per token), and sends those to the API process,
+which detokenizes there.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pagedkv.engine.outputs import (
     RequestMetrics,
     RequestOutput,
     RunnerOutput,
+    TokenLogprobs,
 )
 from pagedkv.scheduler import FinishReason
 
@@ -60,6 +66,32 @@ class SeqOutputState:
             list(self.logprobs) if self.logprobs is not None else None,
             self.cum_logprob,
         )
+
+
+@dataclass(slots=True)
+class StepDeltas:
+    """The tokens appended in one step, one entry per token, as flat parallel lists.
+
+    Entry `i` is token `token_ids[i]` of sequence `seq_indices[i]` (the `CompletionOutput`
+    index) of request `request_ids[i]`. Sparse extras point at their entry: `logprobs` holds
+    `(i, TokenLogprobs)` for requests that asked for logprobs, `finishes` holds
+    `(i, finish_reason, stop_reason)` when the sequence finished with that token. Beam-search
+    requests are left out (their beams change wholesale; only the final output counts).
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    seq_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    finishes: list[tuple[int, str, int | str | None]] = field(default_factory=list)
+
+    def take(self) -> StepDeltas:
+        """This step's entries; `self` starts empty again (the lists change hands, no copy)."""
+        taken = StepDeltas(self.request_ids, self.seq_indices, self.token_ids, self.logprobs,
+                           self.finishes)
+        self.request_ids, self.seq_indices, self.token_ids = [], [], []
+        self.logprobs, self.finishes = [], []
+        return taken
 
 
 @dataclass(slots=True)
@@ -97,6 +129,8 @@ class OutputProcessor:
         #: Streaming callers want every request's cumulative output after each step; offline
         #: callers only the finished ones (building the rest copies every live sequence).
         self.emit_partial_outputs = True
+        #: When set, every appended token is also recorded here (the engine core's step message).
+        self.deltas: StepDeltas | None = None
 
     # ---- requests -----------------------------------------------------------------------------
     def add(self, request_id: str, prep: PreparedRequest, group, arrival_time: float) -> None:
@@ -129,6 +163,12 @@ class OutputProcessor:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def prompt_logprobs_of(self, request_id: str) -> list | None:
+        """The prompt logprobs computed so far for a live request that asked for them (the
+        engine core sends them on once complete); None otherwise."""
+        st = self._requests.get(request_id)
+        return None if st is None else getattr(st, "prompt_logprobs", None)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -273,6 +313,16 @@ class OutputProcessor:
             if isinstance(detok.stop_reason, str) and not seq.is_finished:
                 seq.stop_reason = detok.stop_reason
                 self._finish_sequence(seq_id, FinishReason.STOP)
+        deltas = self.deltas
+        if deltas is not None and st.beam is None:
+            entry = len(deltas.token_ids)
+            deltas.request_ids.append(st.request_id)
+            deltas.seq_indices.append(sst.index)
+            deltas.token_ids.append(tok)
+            if lp is not None:
+                deltas.logprobs.append((entry, lp))
+            if seq.is_finished:
+                deltas.finishes.append((entry, _FINISH_TEXT[seq.finish_reason], seq.stop_reason))
 
     # ---- outputs ------------------------------------------------------------------------------
     def _live_beams(self, st: RequestState) -> list[Beam]:

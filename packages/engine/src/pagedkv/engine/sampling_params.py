@@ -22,7 +22,7 @@ SAMPLING_EPS = 1e-5
 #: -1 asks for the whole vocabulary.
 MAX_LOGPROBS = 20
 
-#: Largest |bias| in `logit_bias` (OpenAI's range).
+#: Largest absolute bias in `logit_bias` (OpenAI's range, -100 to 100).
 MAX_LOGIT_BIAS = 100.0
 
 

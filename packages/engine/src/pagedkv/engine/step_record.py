@@ -5,6 +5,9 @@ batch. The record is a snapshot made of plain values: the sequences scheduled an
 tokens each computed, their block tables as the forward pass used them, the block operations
 (swap out, swap in, copy-on-write), the preemptions, the tokens sampled and the forks made, the
 requests that finished, the KV cache occupancy after the step, and the host time of each phase.
+An observer registered with ``block_tables=True`` also gets every live sequence's blocks *after*
+the step (`SeqBlocks`: forks and prunes applied, swapped sequences on the CPU), which the
+tutorials draw beside the tables the forward pass used; the others do not pay for that copy.
 Observers read; they cannot change the engine. Nothing is recorded while nobody observes.
 """
 
@@ -27,6 +30,18 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True, frozen=True)
+class SeqBlocks:
+    """A live sequence's KV blocks after the step: `num_slots` slots reserved in `block_table`
+    (physical block ids, logical block order) on the GPU, or on the CPU while swapped out."""
+
+    seq_id: int
+    request_id: str
+    num_slots: int
+    location: str  # "gpu" | "cpu"
+    block_table: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
 class StepRecord:
     """One engine step (see the module docstring). Times are host wall-clock seconds."""
 
@@ -45,6 +60,12 @@ class StepRecord:
     num_waiting: int
     num_swapped: int
     timings: dict[str, float] = field(default_factory=dict)  # schedule / execute / update / output
+    num_free_cpu_blocks: int = 0  # CPU (swap) blocks free after the step
+    num_cpu_blocks: int = 0
+    # After the step, running then swapped groups in arrival order; filled only when an observer
+    # asked for it (`add_step_observer(fn, block_tables=True)`), else empty. With asynchronous
+    # scheduling the next step is already scheduled then: its slots are counted.
+    block_tables: tuple[SeqBlocks, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

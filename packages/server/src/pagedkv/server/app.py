@@ -30,6 +30,7 @@ from pagedkv.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     VersionResponse,
 )
 from pagedkv.server.serving import OpenAIServing
@@ -75,11 +76,19 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_root: str | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str = "auto",
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it under `served_model_names`.
 
-    `api_key`: when set, every /v1/* request needs `Authorization: Bearer <api_key>`.
+    `api_key`: when set, every /v1/* request and the tokenizer endpoints (/tokenize,
+    /detokenize, /tokenizer_info) need `Authorization: Bearer <api_key>`.
     `max_body_bytes`: larger request bodies get a 413 before they are parsed.
+    `chat_template`: a Jinja chat template replacing the tokenizer's.
+    `tool_call_parser`: how tool calls are found in replies under `tool_choice: "auto"`
+    (`pagedkv.server.tool_calls.TOOL_CALL_PARSERS`; "auto" picks from the chat template).
+    `trust_request_chat_template`: render a request's own `chat_template` (otherwise a 400).
     """
     app = FastAPI(
         title="pagedkv OpenAI-compatible server",
@@ -87,7 +96,14 @@ def build_app(
         description="OpenAI-compatible completions and chat over the pagedkv engine.",
     )
     metrics = ServerMetrics(engine, served_model_names[0] if served_model_names else "")
-    serving = OpenAIServing(engine, served_model_names, metrics)
+    serving = OpenAIServing(
+        engine,
+        served_model_names,
+        metrics,
+        chat_template=chat_template,
+        tool_call_parser=tool_call_parser,
+        trust_request_chat_template=trust_request_chat_template,
+    )
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.engine = engine
@@ -125,16 +141,36 @@ def build_app(
         result = await serving.create_chat_completion(body, request)
         return result if isinstance(result, ChatCompletionResponse) else _sse(result)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name,
+            root=model_root or name,
+            max_model_len=serving.max_model_len,
+            vocab_size=serving.vocab_size,
+        )
+
     @app.get(
         "/v1/models", response_model=ModelList, responses=_ERRORS, summary="List served models"
     )
     async def list_models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=model_root or name, max_model_len=serving.max_model_len)
-                for name in serving.served_model_names
-            ]
-        )
+        return ModelList(data=[card(name) for name in serving.served_model_names])
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=ModelCard,
+        responses=_ERRORS,
+        summary="Describe one served model",
+    )
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in serving.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{model_id}` does not exist. Served models: "
+                f"{serving.served_model_names}",
+                param="model",
+                code="model_not_found",
+            )
+        return card(model_id)
 
     @app.get(
         "/health",
@@ -173,6 +209,7 @@ def build_app(
     @app.post(
         "/tokenize",
         response_model=TokenizeResponse,
+        response_model_exclude_none=True,
         responses=_ERRORS,
         summary="Tokenize a prompt or chat messages",
     )
@@ -184,14 +221,39 @@ def build_app(
         )
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
+        # /tokenize counts tokens for clients: it takes texts up to the body limit, but one
+        # that must be longer than the context is refused before it is tokenized.
         if body.messages is not None:
-            tokens = serving.render_chat(body.messages, body.add_generation_prompt is not False)
+            continue_final = bool(body.continue_final_message)
+            add_gen = body.add_generation_prompt is not False
+            if continue_final and "add_generation_prompt" not in body.model_fields_set:
+                add_gen = False
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            tokens = await serving.render_chat(
+                body.messages,
+                add_gen,
+                continue_final_message=continue_final,
+                add_special_tokens=body.add_special_tokens is True
+                and "add_special_tokens" in body.model_fields_set,
+                template=body.chat_template,
+                template_kwargs=body.chat_template_kwargs,
+                tools=tools,
+                limit=serving.max_model_len,
+            )
         else:
-            tokens = serving.encode(
-                body.prompt or "", add_special_tokens=body.add_special_tokens is not False
+            tokens = await serving.encode(
+                body.prompt or "",
+                add_special_tokens=body.add_special_tokens is not False,
+                limit=serving.max_model_len,
+            )
+        strs = None
+        if body.return_token_strs:
+            strs = await serving.worker.run(
+                serving.worker.tokenizer.convert_ids_to_tokens, tokens
             )
         return TokenizeResponse(
-            count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens
+            count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens,
+            token_strs=strs,
         )
 
     @app.post(
@@ -202,9 +264,35 @@ def build_app(
     )
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.resolve_model(body.model)
-        tokenizer = serving.require_tokenizer("tokens", "/detokenize has nothing to decode with")
+        serving.require_tokenizer("tokens", "/detokenize has nothing to decode with")
         serving.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await serving.decode(body.tokens))
+
+    @app.get(
+        "/tokenizer_info",
+        response_model=TokenizerInfo,
+        responses=_ERRORS,
+        summary="The tokenizer's settings and chat template",
+    )
+    async def tokenizer_info() -> TokenizerInfo:
+        tok = serving.require_tokenizer(None, "/tokenizer_info has no tokenizer to describe")
+
+        def special(name: str) -> str | None:
+            value = getattr(tok, name, None)
+            return value if isinstance(value, str) else None
+
+        add_bos = getattr(tok, "add_bos_token", None)
+        return TokenizerInfo(
+            tokenizer_class=type(tok).__name__,
+            vocab_size=serving.vocab_size,
+            model_max_length=serving.max_model_len,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            pad_token=special("pad_token"),
+            unk_token=special("unk_token"),
+            add_bos_token=add_bos if isinstance(add_bos, bool) else None,
+            chat_template=serving.chat_template,
+        )
 
     @app.get("/version", response_model=VersionResponse, summary="Server and engine versions")
     async def version() -> VersionResponse:
@@ -217,5 +305,9 @@ def build_app(
     # Outermost first: the API key is checked before a big body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_key=api_key,
+            prefixes=("/v1", "/tokenize", "/detokenize", "/tokenizer_info"),
+        )
     return app

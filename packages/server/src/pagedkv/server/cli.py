@@ -1,12 +1,18 @@
-"""`pagedkv serve [MODEL]`: start the engine and serve it over HTTP with uvicorn.
+"""`pagedkv serve [MODEL]`: start the engine core and serve it over HTTP with uvicorn.
 
 The engine's CLI finds this through the entry point group `pagedkv.subcommands`
 (`serve = "pagedkv.server.cli:register"`); `python -m pagedkv.server` runs the same parser.
 
-Shutdown: SIGTERM or Ctrl-C makes uvicorn stop accepting connections and finish (or, after a
-few seconds, drop) the requests in flight; then the engine is shut down and the process exits
-with status 0. uvicorn's own signal handling re-raises the signal after its shutdown (exit
-status 143 for SIGTERM); we keep the graceful part and drop the re-raise.
+Two processes: this one (HTTP, tokenization, detokenization, SSE) and the engine core
+(`python -m pagedkv.engine.core`: scheduler, model runner and step loop), which this one starts
+and which never outlives it.
+
+Shutdown: SIGTERM or Ctrl-C makes uvicorn stop accepting connections and let the requests in
+flight finish (the engine core keeps running them) for up to `--graceful-shutdown-timeout`
+seconds; then the engine core is stopped and the process exits with status 0. uvicorn's own
+signal handling re-raises the signal after its shutdown (exit status 143 for SIGTERM); we keep
+the graceful part and drop the re-raise. If the engine core dies, /health answers 503, every
+request in flight ends with an error at once, and the server stops with exit status 1.
 """
 
 from __future__ import annotations
@@ -14,16 +20,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from pagedkv.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from pagedkv.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -43,7 +52,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)",
+        help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+        "(default: no key)",
     )
     g.add_argument(
         "--served-model-name",
@@ -63,6 +73,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="seconds to let in-flight requests finish on SIGTERM / Ctrl-C (default 5)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) replacing the model's",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (a Jinja template is code; default: 400)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_CALL_PARSERS,
+        help="how tool calls are found in replies under tool_choice 'auto' (default: picked "
+        "from the chat template: hermes, llama3_json, or smollm2 for templates without tools)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on",
     )
     g.add_argument(
         "--uvicorn-log-level",
@@ -111,6 +144,20 @@ class _Server(uvicorn.Server):
                 signal.signal(s, h)
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a template."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if any(c in value for c in "{}\n") and not path.is_file():
+        return value
+    if not path.is_file():
+        raise ValueError(
+            f"--chat-template {value!r} is neither a file nor a Jinja template ({{...}})"
+        )
+    return path.read_text(encoding="utf-8")
+
+
 def _model_name(engine: Any, args: argparse.Namespace) -> str:
     name = getattr(engine.model_config, "name", None)
     if name:
@@ -124,8 +171,11 @@ async def _serve(args: argparse.Namespace) -> int:
     from pagedkv.engine import AsyncLLMEngine, EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
+    chat_template = load_chat_template(args.chat_template)  # a bad path fails before loading
     logger.info("loading the engine (model: %s)", engine_args.model or "embedded default")
+    # Starts the engine core process and waits until it has loaded the model.
     engine = AsyncLLMEngine.from_engine_args(engine_args)
+    died: list[BaseException] = []
     try:
         names = args.served_model_name or [_model_name(engine, args)]
         app = build_app(
@@ -134,6 +184,9 @@ async def _serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
             model_root=engine_args.model or _model_name(engine, args),
+            chat_template=chat_template,
+            tool_call_parser=args.tool_call_parser,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         config = uvicorn.Config(
             app,
@@ -144,6 +197,18 @@ async def _serve(args: argparse.Namespace) -> int:
             lifespan="off",
         )
         server = _Server(config)
+        # What is alive now (the app, the tokenizer, imported modules) lives as long as the
+        # server: frozen out of the cyclic GC, whose full passes would otherwise walk it while
+        # hundreds of streams wait (the engine core does the same with its own objects).
+        gc.collect()
+        gc.freeze()
+
+        def on_dead(exc: BaseException) -> None:
+            died.append(exc)
+            logger.error("stopping the server: %s", exc)
+            server.should_exit = True
+
+        engine.on_dead = on_dead
         shown = f"[{args.host}]" if ":" in args.host else args.host
         logger.info(
             "pagedkv server for %s on http://%s:%d (OpenAI API at http://%s:%d/v1%s)",
@@ -158,7 +223,7 @@ async def _serve(args: argparse.Namespace) -> int:
         if not server.started:
             logger.error("the server did not start (is port %d free?)", args.port)
             return 1
-        return 0
+        return 1 if died else 0
     finally:
         logger.info("shutting the engine down")
         engine.shutdown()

@@ -83,7 +83,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence from pydantic's error list, and the first offending field."""
     parts: list[str] = []
     param: str | None = None
-    errors = exc.errors()
+    # A value that fails every branch of a union (text or a list of parts) gets an error per
+    # branch: the one that says what is wrong with the value itself comes first.
+    errors = sorted(exc.errors(), key=lambda e: e.get("type") != "value_error")
     for err in errors:
         if err.get("type") == "json_invalid":
             return "the request body is not valid JSON: " + str(

@@ -39,17 +39,21 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """401 for /v1/* when the `Authorization: Bearer <key>` header is missing or wrong."""
+    """401 for the paths under `prefixes` (default: everything under ``/v1``) when the
+    `Authorization: Bearer <key>` header is missing or wrong."""
 
-    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1") -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, prefixes: tuple[str, ...] = ("/v1",)
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
-        self.prefix = prefix
+        self.prefixes = prefixes
+
+    def _guarded(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self.prefixes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not (
-            scope["path"] == self.prefix or scope["path"].startswith(self.prefix + "/")
-        ):
+        if scope["type"] != "http" or not self._guarded(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization")

@@ -13,6 +13,7 @@ scheduler, on rank 0 (the *driver*), drives all ranks with the same block tables
   `TensorParallelRunner` that starts the workers, sends each step and watches the workers.
 * `step_message`: a step as one int64 tensor, block tables as changes (`StepEncoder` on the
   driver, `StepDecoder` on every worker).
+* `step_timing`: per-rank step timings with ``PAGEDKV_TP_DIAG=1`` (does a rank lag?).
 * `worker`: the loop of ranks > 0 (spawned by the driver, or started by `torchrun`).
 * `heartbeat`: how rank 0 tells which `torchrun`-started rank is gone.
 

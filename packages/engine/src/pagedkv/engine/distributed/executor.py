@@ -326,10 +326,11 @@ class TensorParallelRunner:
         self._encoder = StepEncoder()
         launch = torchrun_env()
         timeout_s = float(args.distributed_timeout)
+        import torch.distributed as dist
+
+        group_was_up = dist.is_available() and dist.is_initialized()
         try:
             if launch is None:
-                import torch.distributed as dist
-
                 if sys.platform.startswith("linux"):
                     # all ranks on this machine: gloo over loopback, whatever the host name
                     # resolves to (workers inherit the setting)
@@ -369,6 +370,13 @@ class TensorParallelRunner:
             self._workers.wait_for_failure(2.0)
             failure = self._workers.describe_failure()
             self._workers.close(graceful=False)
+            if self._workers.ctx is None and not group_was_up and dist.is_initialized():
+                # A worker died after the default group came up but before the context was
+                # complete: nothing else would leave the group this start joined.
+                try:
+                    dist.destroy_process_group()
+                except Exception as destroy_exc:
+                    logger.warning("could not leave the process group: %s", destroy_exc)
             if failure:
                 raise TensorParallelError(failure) from exc
             raise
@@ -455,10 +463,11 @@ class TensorParallelRunner:
         self, out, batch: StepBatch, mode: Mode, pending: PendingTokens | None = None
     ) -> torch.Tensor | None:
         """Send the step to the workers, then run rank 0's share of it."""
+        started = time.perf_counter()
         rows, sources = (pending.rows, pending.sources) if pending is not None else ([], [])
         seq_ids = [ss.seq_id for ss in out.scheduled]
         send_message(self._encoder.encode(batch, seq_ids, mode, rows, sources), self.ctx.cpu_group)
-        return self.local.run_step(StepMessage(0, mode, batch, rows, sources))
+        return self.local.run_step(StepMessage(0, mode, batch, rows, sources), started=started)
 
     def rank_stats(self) -> list[dict[str, int]]:
         """What each rank has run, by rank (`RankRunner.stats`): steps, CUDA-graph replays,
@@ -467,6 +476,17 @@ class TensorParallelRunner:
         def collect() -> list[dict[str, int]]:
             send_message(control_message(Kind.STATS), self.ctx.cpu_group)
             return self.ctx.gather_object(self.local.stats())
+
+        return self._guard(collect)
+
+    def rank_timings(self) -> list[dict[str, Any]]:
+        """Per rank, by rank: where its steps went since the last call, per kind of pass and
+        batch-size band (`step_timing`; format with `step_timing.format_rank_timings`). Empty
+        dicts unless ``PAGEDKV_TP_DIAG`` was set when the engine started."""
+
+        def collect() -> list[dict[str, Any]]:
+            send_message(control_message(Kind.TIMINGS), self.ctx.cpu_group)
+            return self.ctx.gather_object(self.local.timing_summary())
 
         return self._guard(collect)
 

@@ -51,6 +51,7 @@ from pagedkv.engine.distributed.step_message import (
     message_kind,
     recv_message,
 )
+from pagedkv.engine.distributed.step_timing import StepTimings, diag_enabled
 from pagedkv.engine.model_loader import load_model
 from pagedkv.engine.worker.model_runner import ModelRunner, PendingTokens, resolve_device
 
@@ -70,14 +71,38 @@ class RankRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         head = getattr(self.model, "lm_head", None)
         self._head = self.model.embed_tokens if head is None else head
+        # per-step timings with PAGEDKV_TP_DIAG=1 (`step_timing`); None: nothing recorded
+        self.timings = StepTimings(self.device) if diag_enabled() else None
 
     def _num_blocks_that_fit(self) -> int:
         return self.ctx.min_int(super()._num_blocks_that_fit())
 
-    def run_step(self, msg: StepMessage) -> torch.Tensor | None:
+    def run_step(
+        self, msg: StepMessage, *, started: float | None = None, waited: float = 0.0
+    ) -> torch.Tensor | None:
         """Run one step as every rank runs it (the driver too). `Mode.LOGITS`: the logits of
         the sampling rows on the driver, None elsewhere. `Mode.TOKENS`: their argmax ids on
-        every rank, kept for the pending tokens of the next step."""
+        every rank, kept for the pending tokens of the next step.
+
+        `started` (`time.perf_counter()` when the rank began this step: the driver before
+        encoding it, a worker once the message arrived) and `waited` (a worker's time blocked
+        for the message) feed the per-step timings, when they are on."""
+        timings = self.timings
+        if timings is None:
+            return self._run_step(msg)
+        if started is None:
+            started = time.perf_counter()
+        replays = self.graph_replays
+        probe = timings.start()
+        result = self._run_step(msg)
+        host = time.perf_counter() - started
+        batch = msg.batch
+        kind = ("decode-graph" if self.graph_replays > replays else
+                "decode-eager" if batch.is_decode else "prefill/mixed")
+        timings.finish(probe, kind, batch.num_seqs, waited, host)
+        return result
+
+    def _run_step(self, msg: StepMessage) -> torch.Tensor | None:
         pending = None
         if msg.pending_rows:
             pending = PendingTokens(msg.pending_rows, msg.pending_sources, self._last_tokens)
@@ -102,6 +127,11 @@ class RankRunner(ModelRunner):
         if valid < local.shape[-1]:
             local[:, valid:] = float("-inf")  # the padding rows of the last slice
         return argmax_over_ranks(local, head.vocab_start, self.ctx.tp)
+
+    def timing_summary(self) -> dict[str, Any]:
+        """This rank's per-step timings since the last call (`StepTimings.summary`); empty
+        unless ``PAGEDKV_TP_DIAG`` is set."""
+        return self.timings.summary() if self.timings is not None else {}
 
     def stats(self) -> dict[str, int]:
         """What this rank ran: steps (and those that read pending tokens on the device),
@@ -147,13 +177,19 @@ def serve(ctx: ParallelContext, runner: RankRunner) -> None:
     # created, a stall of the whole group; what lives now lives as long as the loop.
     gc.collect()
     gc.freeze()
+    clock = time.perf_counter
     while True:
+        idle = clock()
         header, payload = recv_message(ctx.cpu_group)
         kind = message_kind(header)
         if kind == Kind.STEP:
-            runner.run_step(decoder.decode(header, payload))
+            arrived = clock()
+            runner.run_step(decoder.decode(header, payload), started=arrived,
+                            waited=arrived - idle)
         elif kind == Kind.STATS:
             ctx.gather_object(runner.stats())
+        elif kind == Kind.TIMINGS:
+            ctx.gather_object(runner.timing_summary())
         elif kind == Kind.STOP:
             logger.info("rank %d: the driver stopped the engine after %d steps", ctx.rank,
                         runner.steps)

@@ -57,9 +57,12 @@ class GrammarBackend:
                 if self._ll_tokenizer is None:
                     import llguidance.hf
 
+                    # The tokenizer may be smaller than the model's vocabulary (a benchmark
+                    # model with another tokenizer): llguidance takes the EOS ids it knows.
+                    size = len(self.hf_tokenizer)
+                    eos = [t for t in self.eos_token_ids if t < size] or None
                     self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                        self.hf_tokenizer, n_vocab=self.vocab_size,
-                        eos_token=self.eos_token_ids or None,
+                        self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos,
                     )
         return self._ll_tokenizer
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -39,7 +40,7 @@ from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, step_batch
 from pagedkv.engine.worker.sampler import prompt_logprobs
 from pagedkv.engine.worker.sampling import BatchSampler
-from pagedkv.engine.worker.staging import host_tensor
+from pagedkv.engine.worker.staging import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,9 @@ class PendingTokens:
     tokens: torch.Tensor  # int64 on the runner's device
 
     def write_into(self, input_ids: torch.Tensor) -> None:
-        dev = input_ids.device
-        src = host_tensor(self.sources).to(dev, non_blocking=True)
-        dst = host_tensor(self.rows).to(dev, non_blocking=True)
-        input_ids.index_copy_(0, dst, self.tokens.index_select(0, src))
+        n = len(self.rows)
+        both = to_device(self.rows + self.sources, input_ids.device)  # one copy, pinned
+        input_ids.index_copy_(0, both[:n], self.tokens.index_select(0, both[n:]))
 
 
 @dataclass(slots=True)
@@ -402,9 +402,9 @@ class ModelRunner:
             self.graph_replays += 1
             if prompt_rows:
                 rows = batch.sample_idx + prompt_rows
-                hidden = hidden[host_tensor(rows).to(self.device, non_blocking=True)]
+                hidden = hidden[to_device(rows, self.device)]
             elif not batch.samples_every_row:
-                hidden = hidden[host_tensor(batch.sample_idx).to(self.device, non_blocking=True)]
+                hidden = hidden[to_device(batch.sample_idx, self.device)]
             logits = self.greedy_tokens(hidden) if greedy else self.model.compute_logits(hidden)
             self._end_span()
             return logits
@@ -422,7 +422,7 @@ class ModelRunner:
         else:
             rows = inputs.sample_rows
             if prompt_rows:
-                extra = host_tensor(prompt_rows).to(self.device, non_blocking=True)
+                extra = to_device(prompt_rows, self.device)
                 rows = torch.cat([rows, extra])
             logits = self.model.compute_logits(hidden[rows])
         self._end_span()
@@ -452,7 +452,9 @@ class ModelRunner:
             swap_blocks(self.swap_cache, self.kv_cache, torch.tensor(swap_in, dtype=torch.long),
                         stream=stream)
         if copies:
-            copy_blocks(self.kv_cache, torch.tensor(copies, dtype=torch.long, device=self.device))
+            # pinned, not torch.tensor(..., device=...): that copy waits for the whole stream
+            pairs = to_device(list(chain.from_iterable(copies)), self.device).view(-1, 2)
+            copy_blocks(self.kv_cache, pairs)
 
     # ---- benchmark instrumentation --------------------------------------------------------
     def _log_pass(self, batch: StepBatch) -> None:

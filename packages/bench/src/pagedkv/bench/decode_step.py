@@ -1,0 +1,260 @@
+"""The offline engine's decode step at given batch sizes (`python -m pagedkv.bench.decode_step`).
+
+Issue 21 asks that below saturation a streamed token cost at most 1.3x what the engine alone
+needs for one decode step of the batch the server ran at. This module measures that reference:
+one `LLMEngine` with the engine options given (the server's), and for each batch size B, B
+requests whose prompts put the decode context near `--context` tokens; after their prefills and
+a few warm-up steps it times `--steps` decode steps (the CUDA-graph path on a GPU, as the
+server decodes) and reports the mean wall time of a step (what a token's TPOT averages over),
+the median and the minimum; then it aborts them and goes on to the next size.
+
+    python -m pagedkv.bench.decode_step --batch-sizes 1,64,256 --context 490 \\
+        --model meta-llama/Meta-Llama-3-8B --load-format dummy --dtype bfloat16
+
+`--sweep-json PATH` takes the batch sizes from a `bench serve --request-rates` result (each
+rate's `batch_size_median`) and the context from its requests (the mean context over every
+generated token of the same seeded workload), and writes back into that file each rate's
+`offline_decode_step_ms` and `tpot_over_decode_step` and the sweep's
+`tpot_over_decode_step_max_below_knee` (after each batch size, so a run cut short keeps what it
+measured). `scripts/gpu_serve_sweep.sh` runs it after stopping the server, on the same GPU with
+the same engine options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Decode steps timed per batch size, and untimed ones before them.
+DEFAULT_STEPS = 32
+DEFAULT_WARMUP_STEPS = 4
+
+
+def decode_context(specs: list[Any]) -> float:
+    """Mean context length (prompt plus tokens generated so far) over every token the requests
+    generate: the KV context a decode step of this workload attends over, on average."""
+    tokens = sum(s.output_len for s in specs)
+    if tokens == 0:
+        raise ValueError("the requests generate no tokens: no decode context to measure")
+    total = sum(len(s.prompt) * s.output_len + s.output_len * (s.output_len - 1) / 2
+                for s in specs)
+    return total / tokens
+
+
+def _sync(device: Any) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
+                  warmup: int) -> dict[str, Any]:
+    """Time `steps` decode steps of `batch_size` sequences whose contexts are spread around
+    `context` tokens (so that they cross block boundaries on different steps, as in a real
+    run); the engine is left empty."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    max_len = int(engine.model_config.max_model_len)
+    room = warmup + steps + 2
+    centre = max(min(context - (warmup + steps // 2), max_len - room - context // 2), 2)
+    spread = centre // 2
+    vocab = int(engine.model_config.vocab_size)
+    rng = random.Random(batch_size)
+    lengths = [rng.randint(max(centre - spread, 1), centre + spread) for _ in range(batch_size)]
+    lengths = [min(n, max_len - room) for n in lengths]
+    if min(lengths) < 1:
+        raise ValueError(f"max_model_len {max_len} leaves no room for {room} decode steps")
+    params = SamplingParams(max_tokens=room + 8, temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+    ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
+    prompt0 = engine.get_stats().prompt_tokens
+    for rid, n in zip(ids, lengths):
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(n)], params)
+    try:
+        # prefills (chunked): every prompt token computed once
+        for _ in range(10 * batch_size + 100):
+            if engine.get_stats().prompt_tokens - prompt0 >= sum(lengths):
+                break
+            engine.step()
+        else:
+            raise RuntimeError(f"the prefills of {batch_size} requests did not finish")
+        for _ in range(warmup):
+            engine.step()
+        times = []
+        _sync(engine.device)
+        clock = time.perf_counter
+        for _ in range(steps):
+            t0 = clock()
+            engine.step()
+            times.append(clock() - t0)
+        _sync(engine.device)
+        running = engine.get_stats().num_running
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    if running != batch_size:
+        logger.warning("batch %d: %d sequences running at the end (preempted or finished): "
+                       "not a steady decode state", batch_size, running)
+    return {
+        "batch_size": batch_size,
+        "decode_step_ms": 1e3 * sum(times) / len(times),
+        "median_step_ms": 1e3 * statistics.median(times),
+        "min_step_ms": 1e3 * min(times),
+        "steps": steps,
+        "context_mean": statistics.fmean(lengths) + warmup + steps / 2,
+        "num_running": running,
+    }
+
+
+def measure_decode_steps(
+    engine: Any,
+    batch_sizes: list[int],
+    context: int,
+    steps: int = DEFAULT_STEPS,
+    warmup: int = DEFAULT_WARMUP_STEPS,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """`measure_batch` for each batch size, ascending; `on_result(result)` after each."""
+    max_seqs = int(engine.args.max_num_seqs)
+    results = []
+    for b in sorted(set(batch_sizes)):
+        if b > max_seqs:
+            logger.warning("batch %d is above --max-num-seqs %d: skipped", b, max_seqs)
+            continue
+        r = measure_batch(engine, b, context, steps, warmup)
+        results.append(r)
+        logger.info("batch %d: decode step %.2f ms (median %.2f)", b, r["decode_step_ms"],
+                    r["median_step_ms"])
+        if on_result is not None:
+            on_result(r)
+    return results
+
+
+def parse_sizes(text: str) -> list[int]:
+    """`1,64,256` -> [1, 64, 256]; a clear error otherwise."""
+    try:
+        sizes = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--batch-sizes: {text!r} is not a list of integers (e.g. 1,64,256)"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes: give batch sizes >= 1 (got {text!r})")
+    return sizes
+
+
+def sweep_inputs(data: dict[str, Any]) -> tuple[list[int], float, float]:
+    """From a sweep's JSON: (the rates' batch sizes, the decode context of its requests, the
+    knee's latency growth bound)."""
+    from pagedkv.bench import serve
+
+    rates = data.get("rates") or []
+    sizes = sorted({s["batch_size_median"] for s in rates if s.get("batch_size_median")})
+    if not sizes:
+        raise ValueError("the sweep has no batch sizes (no rate has batch_size_median: run it "
+                         "with --metrics-period > 0 against a server with /metrics)")
+    options = dict(data["setup"]["options"])
+    specs = serve.make_requests(argparse.Namespace(**options))
+    bound = float(options.get("knee_latency_growth", serve.DEFAULT_KNEE_LATENCY_GROWTH))
+    return sizes, decode_context(specs), bound
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.bench import serve
+    from pagedkv.bench.env import environment
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    data: dict[str, Any] | None = None
+    if args.sweep_json:
+        data = json.loads(Path(args.sweep_json).read_text())
+        sizes, context, bound = sweep_inputs(data)
+        if args.context is not None:
+            context = args.context
+    else:
+        if not args.batch_sizes:
+            raise ValueError("give --batch-sizes or --sweep-json")
+        sizes, context = parse_sizes(args.batch_sizes), args.context or 490
+    if args.steps < 1 or args.warmup_steps < 0:
+        raise ValueError("--steps must be >= 1 and --warmup-steps >= 0")
+    engine_args = EngineArgs.from_cli_args(args)
+    print(f"decode step: batch sizes {sizes}, context ~{context:.0f} tokens, {args.steps} "
+          f"timed steps each", flush=True)
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(engine_args)
+    engine.emit_partial_outputs = False  # as the throughput benchmark and the engine core run
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s on {engine.device}", flush=True)
+    measured: list[dict[str, Any]] = []
+    env = environment()
+
+    def save(r: dict[str, Any]) -> None:
+        measured.append(r)
+        print(f"  batch {r['batch_size']:>5}: decode step {r['decode_step_ms']:.3f} ms "
+              f"(median {r['median_step_ms']:.3f}, min {r['min_step_ms']:.3f})", flush=True)
+        record = {"command": env["command"], "context": context,
+                  "steps": args.steps, "device": str(engine.device), "commit": env["commit"],
+                  "by_batch": list(measured)}
+        if data is not None:
+            serve.attach_decode_steps(data["rates"],
+                                      {m["batch_size"]: m["decode_step_ms"] for m in measured})
+            data.update(serve.saturation_record(data["rates"], bound))
+            data["offline_decode"] = record
+            serve._write_json(args.sweep_json, data)
+        elif args.output_json:
+            serve._write_json(args.output_json, record)
+
+    measure_decode_steps(engine, sizes, round(context), args.steps, args.warmup_steps,
+                         on_result=save)
+    if data is not None:
+        print(serve.format_saturation_table(data["rates"], bound))
+        line = {k: data[k] for k in ("knee_rate", "tpot_over_decode_step_max_below_knee",
+                                     "p99_itl_ms_max_below_knee")}
+    else:
+        line = {"decode_step_ms": {m["batch_size"]: m["decode_step_ms"] for m in measured}}
+    print(json.dumps(serve._json_ready(line)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedkv.engine.arg_utils import EngineArgs
+
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.decode_step",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
+                        help="batch sizes to time (or --sweep-json)")
+    parser.add_argument("--sweep-json", default=None, metavar="PATH",
+                        help="a bench serve --request-rates result: time its rates' batch sizes "
+                        "and write the ratios into it")
+    parser.add_argument("--context", type=float, default=None,
+                        help="mean KV context in tokens (default: the sweep's workload, or 490, "
+                        "that of 400 ShareGPT-like requests)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed decode steps")
+    parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS)
+    parser.add_argument("--output-json", default=None, metavar="PATH",
+                        help="with --batch-sizes: write the results here")
+    parser.add_argument("--log-level", default="INFO")
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"decode_step: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
