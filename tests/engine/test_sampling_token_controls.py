@@ -189,6 +189,48 @@ def test_token_masks_combine_allowed_ids_and_bad_words_per_row():
     assert TokenMasks(V, pin=False).build(seqs[1:2]) is None
 
 
+def test_greedy_rows_under_masks_take_the_masked_argmax_without_a_sampling_batch(monkeypatch):
+    """Structured output at temperature 0: the masked rows' argmax over what they allow, the
+    other rows' plain argmax, as the sampler's general path gives, but no `SamplingBatch`."""
+    from types import SimpleNamespace
+
+    from pagedkv.engine.worker.sampling import BatchSampler
+
+    p = SamplingParams(temperature=0)
+    allowed = RequestSampling.of(p, allowed_bitmask=tokens_to_bitmask([1, 2, 3, 4], V),
+                                 bad_words_token_ids=((9, 3),))
+    bad = RequestSampling.of(p, bad_words_token_ids=((5,), (7, 8)))
+    plain = RequestSampling.of(p)
+    assert allowed.masked_argmax and bad.masked_argmax and not plain.masked_argmax
+    assert not RequestSampling.of(SamplingParams(temperature=0.5), bad_words_token_ids=((5,),)
+                                  ).masked_argmax
+
+    def seq(tokens, rs, i):
+        group = SimpleNamespace(sampling=rs, prompt_token_ids=tokens[:1])
+        return SimpleNamespace(token_ids=tokens, prompt_len=1, seq_id=i, index=0, group=group,
+                               num_output_tokens=len(tokens) - 1, is_finished=False)
+
+    seqs = [seq([0, 9], allowed, 0), seq([0, 7], plain, 1), seq([0, 7], bad, 2),
+            seq([0, 6], bad, 3), seq([0, 1], plain, 4)]
+    may = [{1, 2, 4}, set(range(V)), set(range(V)) - {5, 8}, set(range(V)) - {5}, set(range(V))]
+    for trial in range(5):
+        logits = _logits(len(seqs), seed=trial)
+        logits[:, [3, 5, 8, 50]] += 20.0  # the banned tokens (and one outside the allowed) lead
+        expected = [max(sorted(m), key=lambda t, r=r: logits[r, t].item())
+                    for r, m in enumerate(may)]
+        sampler = BatchSampler(torch.device("cpu"), [0], seed=0, vocab_size=V)
+        with monkeypatch.context() as m:
+            m.setattr(SamplingBatch, "__init__", lambda *a, **k: pytest.fail("a sampling batch"))
+            got = sampler.sample(seqs, [2] * len(seqs), logits.clone())
+        assert [got.sampled_token_ids[i] for i in range(len(seqs))] == [[t] for t in expected]
+        # The general path (one row asks for logprobs, so the batch needs the sampler) agrees.
+        lp = RequestSampling.of(SamplingParams(temperature=0, logprobs=1))
+        mixed = [*seqs, seq([0, 2], lp, 5)]
+        general = sampler.sample(mixed, [2] * len(mixed), torch.cat([logits, _logits(1)]))
+        assert [general.sampled_token_ids[i] for i in range(len(seqs))] == \
+            [[t] for t in expected]
+
+
 # ---- validation ---------------------------------------------------------------------------------
 
 BAD = [

@@ -348,7 +348,9 @@ class RequestSampling:
     ask for more than the user did, e.g. logprobs to rank `best_of` samples) and whether an
     argmax is all it needs (greedy, one sequence, no logprobs, penalties, min_tokens, logit
     bias, token masks or prompt logprobs), so a batch of only such requests takes the argmax
-    path without building a sampling batch (and may be scheduled asynchronously).
+    path without building a sampling batch (and may be scheduled asynchronously); a batch of
+    such requests and greedy ones under token masks (`masked_argmax`: structured output with
+    temperature 0, say) masks just those rows before the argmax.
 
     What the input processor prepared once for the token mask travels with it:
     `structured` (the request's grammar matchers, `structured.matchers.StructuredRequest`),
@@ -362,6 +364,8 @@ class RequestSampling:
     structured: Any = None
     allowed_bitmask: Any = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    #: Greedy like `argmax_only` but under token masks: an argmax over the masked logits.
+    masked_argmax: bool = False
 
     @property
     def needs_token_mask(self) -> bool:
@@ -371,7 +375,7 @@ class RequestSampling:
     @classmethod
     def of(cls, params: SamplingParams, *, structured: Any = None, allowed_bitmask: Any = None,
            bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> RequestSampling:
-        return cls(params, (
+        greedy = (
             params.sampling_type == SamplingType.GREEDY
             and params.best_of == 1
             and params.logprobs is None
@@ -379,8 +383,8 @@ class RequestSampling:
             and params.min_tokens == 0
             and not params.needs_penalties
             and not params.logit_bias
-            and not params.needs_token_mask
-            and structured is None
-            and allowed_bitmask is None
-            and not bad_words_token_ids
-        ), structured, allowed_bitmask, tuple(bad_words_token_ids))
+        )
+        masked = (params.needs_token_mask or structured is not None
+                  or allowed_bitmask is not None or bool(bad_words_token_ids))
+        return cls(params, greedy and not masked, structured, allowed_bitmask,
+                   tuple(bad_words_token_ids), greedy and masked)

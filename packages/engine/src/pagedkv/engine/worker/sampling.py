@@ -3,7 +3,9 @@
 Each scheduled sequence's request carries its `RequestSampling` (attached by the engine when it
 queued the request; the scheduler never reads it). A batch in which every sampling sequence is
 plain greedy takes the throughput path: one argmax on the device, one copy of the ids to the
-host. Any other batch builds a `SamplingBatch` (token masks, logit bias, temperature,
+host. A batch of greedy requests some of which mask tokens (structured output at temperature
+0) masks just those rows, then takes the same argmax. Any other batch builds a `SamplingBatch`
+(token masks, logit bias, temperature,
 top-k/p, penalties, logprobs, seeds, beam candidates) for the `Sampler`. The token bitmask
 (grammars, allowed_token_ids, bad_words: `token_masks.TokenMasks`) is computed first, on the
 host, before anything waits for the device: on a GPU that overlaps the forward pass.
@@ -16,12 +18,18 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.engine.outputs import RunnerOutput
+from pagedkv.engine.structured.bitmask import apply_token_bitmask
 from pagedkv.engine.worker.sampler import Sampler, SamplingBatch, SamplingRow
 from pagedkv.engine.worker.token_masks import TokenMasks
 
 
 def _plain_greedy(seq) -> bool:
     return seq.group.sampling.argmax_only
+
+
+def _greedy(seq) -> bool:
+    rs = seq.group.sampling
+    return rs.argmax_only or rs.masked_argmax
 
 
 class BatchSampler:
@@ -45,6 +53,22 @@ class BatchSampler:
     def argmax_output(seqs: Sequence, tokens: list[int]) -> RunnerOutput:
         return RunnerOutput({s.seq_id: [t] for s, t in zip(seqs, tokens)})
 
+    def masked_argmax(self, seqs: Sequence, logits: torch.Tensor, masks: TokenMasks
+                      ) -> RunnerOutput:
+        """Greedy rows, some under token masks: one argmax over every row, and one over the
+        masked rows only (their bitmask built on the host while the forward pass runs, then
+        unpacked for those rows alone) which replaces theirs. The same tokens as the sampler's
+        greedy path, without a sampling batch."""
+        ids = logits.argmax(dim=-1)
+        built = masks.build_masked_rows(seqs)
+        if built is not None:
+            rows, bitmask = built
+            index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+            sub = logits.index_select(0, index)
+            apply_token_bitmask(sub, bitmask.to(logits.device, non_blocking=True))
+            ids.index_copy_(0, index, sub.argmax(dim=-1))
+        return self.argmax_output(seqs, ids.tolist())
+
     def sample(self, seqs: Sequence, positions: Sequence[int], logits: torch.Tensor) -> RunnerOutput:
         """`seqs[i]` (a scheduler `Sequence`) samples the token at `positions[i]` from
         `logits[i]`."""
@@ -53,6 +77,8 @@ class BatchSampler:
         masks = self.masks
         if masks is None or masks.vocab_size != logits.shape[1]:
             masks = self.masks = TokenMasks(logits.shape[1], pin=logits.is_cuda)
+        if all(map(_greedy, seqs)):
+            return self.masked_argmax(seqs, logits, masks)
         bitmask = masks.build(seqs)
         rows: list[SamplingRow] = []
         for s, pos in zip(seqs, positions):

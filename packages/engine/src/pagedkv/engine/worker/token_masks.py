@@ -58,13 +58,32 @@ class TokenMasks:
     def build(self, seqs: Sequence) -> torch.Tensor | None:
         """The bitmask of the sampling rows `seqs` (scheduler sequences), or None when no row
         masks anything."""
-        masked = [(i, s, s.group.sampling) for i, s in enumerate(seqs)
-                  if s.group.sampling.needs_token_mask]
+        masked = self._masked(seqs)
         if not masked:
             return None
         bitmask = self._rows(len(seqs))
-        jobs = [(rs.structured, rs.structured.matcher(s), i)
-                for i, s, rs in masked if rs.structured is not None]
+        self._fill(masked, bitmask, [i for i, _, _ in masked])
+        return bitmask
+
+    def build_masked_rows(self, seqs: Sequence) -> tuple[list[int], torch.Tensor] | None:
+        """Only the rows that mask something: their indices in `seqs` and their bitmask
+        `[len(indices), ceil(V / 32)]`, or None when no row masks anything."""
+        masked = self._masked(seqs)
+        if not masked:
+            return None
+        bitmask = self._rows(len(masked))
+        self._fill(masked, bitmask, range(len(masked)))
+        return [i for i, _, _ in masked], bitmask
+
+    @staticmethod
+    def _masked(seqs: Sequence) -> list:
+        return [(i, s, s.group.sampling) for i, s in enumerate(seqs)
+                if s.group.sampling.needs_token_mask]
+
+    def _fill(self, masked: list, bitmask: torch.Tensor, rows) -> None:
+        """Row `rows[k]` of `bitmask` (all allowed on entry) gets the mask of `masked[k]`."""
+        jobs = [(rs.structured, rs.structured.matcher(s), r)
+                for r, (_, s, rs) in zip(rows, masked) if rs.structured is not None]
         if jobs:
             from pagedkv.engine.structured.matchers import fill_bitmask_rows
 
@@ -73,9 +92,8 @@ class TokenMasks:
 
                 self._executor = llguidance.LLExecutor()
             fill_bitmask_rows(self._executor, jobs, bitmask)
-        for i, s, rs in masked:
+        for r, (_, s, rs) in zip(rows, masked):
             if rs.allowed_bitmask is not None:
-                bitmask[i].bitwise_and_(rs.allowed_bitmask)
+                bitmask[r].bitwise_and_(rs.allowed_bitmask)
             if rs.bad_words_token_ids:
-                ban_tokens(bitmask[i], banned_by_bad_words(rs.bad_words_token_ids, s))
-        return bitmask
+                ban_tokens(bitmask[r], banned_by_bad_words(rs.bad_words_token_ids, s))
