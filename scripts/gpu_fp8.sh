@@ -124,7 +124,7 @@ for part in "${parts[@]}"; do
       else
         source scripts/gpu_embedded_model.sh || { echo "=== accuracy: skipped (no embedded model)"; continue; }
         if [[ ! -f $PROMPTS ]]; then echo "=== accuracy: skipped (no $PROMPTS: see the header)"; continue; fi
-        acc=(--device cuda --dtype bfloat16 --prompts-file "$PROMPTS" --skip-tokenizer-init
+        acc=(--device cuda --dtype bfloat16 --gpu-memory-utilization 0.5 --prompts-file "$PROMPTS" --skip-tokenizer-init
              --variants control,kv_fp8,weights_fp8,kv_and_weights_fp8)
         acc_name=smollm2_bf16
       fi

@@ -122,12 +122,13 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list[list[int]],
 
     texts = alpaca_like_instructions(args.num_prompts)
     if getattr(tokenizer, "chat_template", None):
-        prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}],
-                                                      tokenize=True, add_generation_prompt=True))
-                   for t in texts]
+        # As `LLM.chat` prompts the engine: the template's text, tokenized as a text prompt is.
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                               add_generation_prompt=True) for t in texts]
+        prompts = [list(tokenizer(c).input_ids) for c in chats]
         how = "in the model's chat template"
     else:
-        prompts = [list(tokenizer.encode(t)) for t in texts]
+        prompts = [list(tokenizer(t).input_ids) for t in texts]
         how = "plain text"
     return prompts, f"{len(texts)} Alpaca-like instructions (pagedkv.bench.instructions), {how}"
 
@@ -208,7 +209,9 @@ def run_accuracy(args: argparse.Namespace) -> int:
     for name in names:
         opts = VARIANTS[name]
         quant = opts.get("quantization")
-        engine = LLMEngine(base.replace(**opts), model=models.get(quant))
+        # Token ids in, token ids out: no tokenizer to load again (seconds for a GGUF's).
+        engine = LLMEngine(base.replace(skip_tokenizer_init=True, **opts),
+                           model=models.get(quant))  # fmt: skip
         models.setdefault(quant, engine.runner.model)
         tokens, info = _greedy_run(engine, prompts, args.max_tokens)
         engine.shutdown()

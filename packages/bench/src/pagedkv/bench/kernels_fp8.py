@@ -112,6 +112,62 @@ def decode_fp8_row(setup: Setup, batch: int, context: int, kv_bytes: int, copy_b
     return row
 
 
+def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
+                     deadline: float) -> list[dict]:  # fmt: skip
+    """Tile shapes of the decode kernel on an fp8 cache at 64 sequences x 4k and 16 x 8k (the
+    automatic split count): how ``decode_config``'s fp8 choice was (and is to be) made."""
+    import time
+
+    from pagedkv.bench.kernels import _tuning
+
+    to = _tuning()
+    configs = [to.decode_config(setup.head_dim, setup.dtype, kv_dtype=FP8),
+               to.DecodeConfig(128, 4, 2), to.DecodeConfig(256, 4, 2), to.DecodeConfig(256, 8, 3),
+               to.DecodeConfig(64, 4, 4)]  # fmt: skip
+    rows: list[dict] = []
+    scale = _unit(setup.device)
+    for batch, context in ((64, 4096), (16, 8192)):
+        kc, vc, tables = _paged(setup, batch, context, gen)
+        kc, vc = kc.to(FP8), vc.to(FP8)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=setup.device)
+        q = torch.randn(batch, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+        q = q.to(setup.dtype)
+        out = torch.empty_like(q)
+        kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim
+        for cfg in configs:
+            if time.monotonic() > deadline:
+                return rows
+
+            def run(cfg=cfg, kc=kc, vc=vc, tables=tables, lens=lens, q=q, out=out,
+                    context=context) -> torch.Tensor:  # fmt: skip
+                return to.paged_decode_attention(q, kc, vc, tables, lens, setup.head_dim**-0.5,
+                                                 context, out, config=cfg, k_scale=scale,
+                                                 v_scale=scale)  # fmt: skip
+
+            row: dict[str, Any] = {"batch": batch, "context": context,
+                                   "config": {"tile_n": cfg.tile_n, "num_warps": cfg.num_warps,
+                                              "num_stages": cfg.num_stages}}  # fmt: skip
+            try:
+                run()
+                seconds = _time(run, setup.device)
+                graph_s = _time_graph(run, setup.device)
+            except Exception as exc:  # a tile shape that does not compile or fit
+                rows.append({**row, "error": repr(exc)[:200]})
+                continue
+            row.update(us=seconds * 1e6, bw_frac=kv_bytes / seconds / copy_bw)
+            if graph_s is not None:
+                row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
+            rows.append(row)
+            print(f"sweep decode fp8 B={batch} ctx={context} {row['config']}: "
+                  f"{seconds * 1e6:.1f} us {100 * row['bw_frac']:.1f}% of copy"
+                  + (f" | graph {100 * row['graph_bw_frac']:.1f}%" if graph_s else ""),
+                  flush=True)  # fmt: skip
+        del kc, vc
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def bench_prefill_fp8(setup: Setup, gen: torch.Generator, prefill: list[dict]) -> list[dict]:
     """``prefill``: the same run's 16-bit prefill rows (their SDPA time is the baseline)."""
     sdpa_us = {r["tokens"]: r.get("sdpa_us") for r in prefill}

@@ -95,12 +95,12 @@ def load_model(
             from pagedkv.engine.weights.hf import iter_safetensors_weights
 
             model.load_weights(iter_safetensors_weights(config.path, lazy=sharded))
-        if quantization is not None:
-            from pagedkv.engine.models.quantization import quantize_model
+    if quantization is not None:  # on "meta": the quantized shapes and dtypes
+        from pagedkv.engine.models.quantization import quantize_model
 
-            quantize_model(model, quantization)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the 16-bit weights just freed
+        quantize_model(model, quantization)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the 16-bit weights just freed
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s (%s, %s weights, %s%s on %s%s) in %.2f s",

@@ -67,7 +67,8 @@ def decode_config(
 
     fp8 caches (``kv_dtype``): the same 128-token tiles hold half the bytes, so a third
     pipeline stage keeps as many bytes in flight (3 x 32 KB of K and V per program).
-    Not yet measured on an H200: the bench's fp8 sweep compares it with 256-token tiles."""
+    Not yet measured on an H200: `python -m pagedkv.bench.kernels --fp8` sweeps it against
+    other tiles (`sweep_decode_fp8[]`)."""
     if interpreted:  # the interpreter pays per operation: few, wide tiles
         return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
     dpad = padded_head_dim(head_dim)

@@ -37,7 +37,11 @@ METHODS = ("fp8",)
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``Wq [out, in]`` e4m3, ``scale [1, out]`` float32) with ``Wq * scale.T ~ weight``: one
-    scale per output channel (row), the same rule as the activations' per-token one."""
+    scale per output channel (row), the same rule as the activations' per-token one. A weight
+    on the meta device gives meta tensors of those shapes and dtypes."""
+    if weight.is_meta:
+        return (torch.empty(weight.shape, dtype=FP8, device="meta"),
+                torch.empty((1, weight.shape[0]), dtype=torch.float32, device="meta"))
     q, scale = pagedattn_kernels.quantize_fp8_per_token(weight.detach())
     return q, scale.reshape(1, -1).contiguous()
 
