@@ -59,6 +59,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kv_fp8": {"kv_cache_dtype": "fp8"},
     "weights_fp8": {"quantization": "fp8"},
     "kv_and_weights_fp8": {"kv_cache_dtype": "fp8", "quantization": "fp8"},
+    # Context for the figures: the whole model (weights, activations, cache) in bfloat16
+    # against a float32 reference (the CPU's); on a bf16 reference it is the control.
+    "model_bf16": {"dtype": "bfloat16"},
 }
 DEFAULT_VARIANTS = ("control", "kv_fp8", "weights_fp8")
 
@@ -167,6 +170,37 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def teacher_forced(engine: Any, prompts: list[list[int]], reference: list[list[int]],
+                   chunk: int = 16) -> dict[str, Any]:
+    """Top-1 agreement with the reference *given the reference's own history*: each prompt
+    followed by the reference's tokens is scored in one prefill (``prompt_logprobs=0``), and a
+    position agrees when the reference's token is this engine's most likely one there (rank
+    1). Unlike the free-running figures, a disagreement does not change what comes after, so
+    every position says something about the variant. Requests go in chunks of ``chunk`` (the
+    prompt logprobs of a pass cover the whole vocabulary for every token)."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    length = len(reference[0])
+    hits = [0] * length
+    for lo in range(0, len(prompts), chunk):
+        ids = range(lo, min(lo + chunk, len(prompts)))
+        for i in ids:
+            engine.add_request(f"tf-{i}", prompts[i] + reference[i], params)
+        finals: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        for i in ids:
+            scored = finals[f"tf-{i}"].prompt_logprobs[len(prompts[i]):]
+            for p, (tok, lp) in enumerate(zip(reference[i], scored, strict=True)):
+                hits[p] += lp[tok].rank == 1
+    n = len(prompts)
+    return {"teacher_forced_top1": sum(hits) / (n * length),
+            "teacher_forced_top1_at": [h / n for h in hits]}
+
+
 def run_accuracy(args: argparse.Namespace) -> int:
     import torch
 
@@ -201,19 +235,20 @@ def run_accuracy(args: argparse.Namespace) -> int:
     device = ref_engine.device
     # Engines with the same weights share one loaded model; one KV cache lives at a time (on a
     # GPU each engine sizes its cache from the memory left free).
-    models: dict[str | None, Any] = {None: ref_engine.runner.model}
+    models: dict[tuple[str | None, str | None], Any] = {(None, None): ref_engine.runner.model}
     ref_engine.shutdown()
     del ref_engine
     _free_memory()
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         opts = VARIANTS[name]
-        quant = opts.get("quantization")
+        key = (opts.get("quantization"), opts.get("dtype"))
         # Token ids in, token ids out: no tokenizer to load again (seconds for a GGUF's).
         engine = LLMEngine(base.replace(skip_tokenizer_init=True, **opts),
-                           model=models.get(quant))  # fmt: skip
-        models.setdefault(quant, engine.runner.model)
+                           model=models.get(key))  # fmt: skip
+        models.setdefault(key, engine.runner.model)
         tokens, info = _greedy_run(engine, prompts, args.max_tokens)
+        info.update(teacher_forced(engine, prompts, reference))
         engine.shutdown()
         del engine
         _free_memory()
@@ -221,7 +256,8 @@ def run_accuracy(args: argparse.Namespace) -> int:
         r = results[name]
         print(f"{name:20s} agreement before divergence {r['agreement_before_divergence']:.3f}, "
               f"sequences equal {r['sequences_equal']:.3f}, mean first divergence "
-              f"{r['mean_first_divergence']:.1f} of {args.max_tokens} ({info['seconds']:.1f} s, "
+              f"{r['mean_first_divergence']:.1f} of {args.max_tokens}, teacher-forced top-1 "
+              f"{r['teacher_forced_top1']:.3f} ({info['seconds']:.1f} s, "
               f"{info['preemptions']} preemptions)", flush=True)
         if info["steps"] != ref_info["steps"] or info["preemptions"] or ref_info["preemptions"]:
             logger.warning("%s ran %d steps (%d preemptions) against the reference's %d (%d): "
@@ -230,11 +266,10 @@ def run_accuracy(args: argparse.Namespace) -> int:
                            ref_info["preemptions"])
     del models
 
-    rows = [{"variant": k, **{c: v[c] for c in ("agreement_before_divergence", "sequences_equal",
-                                               "mean_first_divergence", "seconds")}}
-            for k, v in results.items()]
-    print_table(rows, ["variant", "agreement_before_divergence", "sequences_equal",
-                       "mean_first_divergence", "seconds"])
+    columns = ["agreement_before_divergence", "sequences_equal", "mean_first_divergence",
+               "teacher_forced_top1"]
+    rows = [{"variant": k, **{c: v[c] for c in columns}} for k, v in results.items()]
+    print_table(rows, ["variant", *columns])
     env = environment()
     marks = [p for p in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256) if p <= args.max_tokens]
     result = {
@@ -258,8 +293,8 @@ def run_accuracy(args: argparse.Namespace) -> int:
         "variants": {k: {c: v[c] for c in ("agreement_before_divergence", "sequences_equal",
                                            "mean_first_divergence",
                                            "mean_first_divergence_of_diverged",
-                                           "median_first_divergence", "preemptions",
-                                           "kv_cache_dtype", "seconds")}
+                                           "median_first_divergence", "teacher_forced_top1",
+                                           "preemptions", "kv_cache_dtype", "seconds")}
                      for k, v in results.items()},
         "prefix_equal_curve": [
             {"position": p, **{k: v["prefix_equal_at"][p - 1] for k, v in results.items()}}
@@ -267,7 +302,9 @@ def run_accuracy(args: argparse.Namespace) -> int:
         ],
         "details": {k: {"first_divergence": v["first_divergence"],
                         "prefix_equal_at": v["prefix_equal_at"],
-                        "token_equal_at": v["token_equal_at"]} for k, v in results.items()},
+                        "token_equal_at": v["token_equal_at"],
+                        "teacher_forced_top1_at": v["teacher_forced_top1_at"]}
+                    for k, v in results.items()},
         "env": env,
     }
     if args.output_json:
