@@ -5,7 +5,8 @@
   float32) in the same memory; greedy outputs identical to the plain fp8 run's under
   preemption by swap and by recompute, chunked prefill, prefix caching and copy-on-write of
   shared blocks (fp8 blocks swapped and copied as bytes), with tensor parallelism and in the
-  engine-core process; close to the float cache's outputs on the embedded model;
+  engine-core process (how close fp8 stays to the float cache on the embedded model:
+  tests/bench/test_fp8_bench.py and the committed 64 x 64 figure);
 - fp8 weights: every tensor-parallel linear layer quantized per output channel (each rank its
   own shard), the fallback matmul equal to a float64 computation of the same quantized
   operands, the model's logits close to the unquantized ones, a model without such layers or
@@ -189,21 +190,6 @@ def test_fp8_cache_doubles_a_bf16_cache(embedded_model_config: ModelConfig):
     assert bf16 == 2 * fp8 == 2 * (2 * c.num_layers * c.num_kv_heads * c.head_dim)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_cache_dtype("fp9", torch.bfloat16)
-
-
-def test_fp8_cache_close_to_the_float_cache_on_the_embedded_model(embedded_model):
-    """The real model: the same tokens at the start of every answer (e4m3 keeps 3 mantissa
-    bits of each K/V element); later a near-tie may flip and the continuations differ. (The
-    64 x 64 figure: python -m pagedkv.bench.fp8_accuracy.)"""
-    prompts = PROMPTS[:3]
-
-    def tokens(**kw: Any) -> list[list[int]]:
-        args = EngineArgs(device="cpu", kv_cache_gb=0.05, swap_space=0.0, **kw)
-        return run_all(LLMEngine(args, model=embedded_model), prompts, max_tokens=12)
-
-    fp8, ref = tokens(kv_cache_dtype="fp8"), tokens()
-    assert all(a[:3] == b[:3] for a, b in zip(fp8, ref)), (fp8, ref)
-    assert agreement(fp8, ref) >= 0.5
 
 
 @pytest.mark.parametrize(

@@ -290,21 +290,23 @@ def run_accuracy(args: argparse.Namespace) -> int:
                   "prompt_tokens_mean": n_in / len(prompts),
                   "reference_steps": ref_info["steps"],
                   "reference_seconds": ref_info["seconds"]},
+        # Scalars per variant make the table; the lists beside them are the whole curves.
         "variants": {k: {c: v[c] for c in ("agreement_before_divergence", "sequences_equal",
                                            "mean_first_divergence",
                                            "mean_first_divergence_of_diverged",
                                            "median_first_divergence", "teacher_forced_top1",
-                                           "preemptions", "kv_cache_dtype", "seconds")}
+                                           "preemptions", "kv_cache_dtype", "seconds",
+                                           "first_divergence", "prefix_equal_at",
+                                           "token_equal_at", "teacher_forced_top1_at")}
                      for k, v in results.items()},
         "prefix_equal_curve": [
             {"position": p, **{k: v["prefix_equal_at"][p - 1] for k, v in results.items()}}
             for p in marks
         ],
-        "details": {k: {"first_divergence": v["first_divergence"],
-                        "prefix_equal_at": v["prefix_equal_at"],
-                        "token_equal_at": v["token_equal_at"],
-                        "teacher_forced_top1_at": v["teacher_forced_top1_at"]}
-                    for k, v in results.items()},
+        "teacher_forced_curve": [
+            {"position": p, **{k: v["teacher_forced_top1_at"][p - 1] for k, v in results.items()}}
+            for p in marks
+        ],
         "env": env,
     }
     if args.output_json:
