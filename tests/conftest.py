@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 # `./dev test` runs the suite in two pytest-xdist workers on a 2-core machine: one thread each
 # (and in the servers and engine cores they start, which inherit it) keeps torch's OpenMP
@@ -16,8 +15,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import pytest
 from hypothesis import HealthCheck, settings
-
-ROOT = Path(__file__).resolve().parents[1]
 
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
@@ -34,19 +31,24 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _worker_group(item: pytest.Item) -> str:
-    """Which tests one xdist worker runs together: a file's tests (its module-scoped engine or
-    server starts once), and every server test (their session-scoped servers, a GB or two
-    each, then start once, not once per worker)."""
-    path = Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
-    return "servers" if path.startswith("tests/server/") else path
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` (a file's tests run in one worker, so its module-scoped engine or
+    server starts once), except that every server test goes to the same worker: their
+    session-scoped servers, a GB or two each, then start once, not once per worker."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ServerTestsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "tests/server/" if path.startswith("tests/server/") else path
+
+    return ServerTestsTogether(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") == "loadgroup":
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
     if any("gpu" in item.keywords for item in items) and not _cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine)")
         for item in items:
