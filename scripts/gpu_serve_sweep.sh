@@ -12,6 +12,10 @@
 # `tpot_over_decode_step_max_below_knee` and `p99_itl_ms_max_below_knee` into the JSON. Under $OUT:
 #   serve_sweep_llama3_8b.json  .png  .log (the benchmark's output)  _server.log
 #   _decode_step.log (the offline decode steps)  env.txt
+# STEP_TRACE=1 also has the engine core trace every step (`PAGEDKV_STEP_TRACE`, a little host
+# time per step) and adds per rate where the steps' time went (`python -m
+# pagedkv.bench.step_trace`: decode-only vs prefill steps, asynchronous share) to the JSON and
+# to _steps.log; the trace itself is _steps.jsonl.
 # Run from the repository root, carrying .whl (`bash scripts/gpu_wheels.sh` makes it: fastapi,
 # uvicorn, pydantic, pyzmq, msgspec... are not on that machine):
 #   bash scripts/gpu_serve_sweep.sh
@@ -52,6 +56,7 @@ START_TIMEOUT_S="${START_TIMEOUT_S:-300}"
 BUDGET_S="${BUDGET_S:-570}"             # the device's command limit is 600 s
 DECODE_RESERVE_S="${DECODE_RESERVE_S:-90}"  # engine start and the decode steps, after the sweep
 NAME="${NAME:-serve_sweep_llama3_8b}"
+STEP_TRACE="${STEP_TRACE:-0}"
 mkdir -p "$OUT"
 
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
@@ -67,6 +72,8 @@ cat "$OUT/env.txt"
 # `pagedkv serve` without an installed distribution: the `pagedkv` command finds `serve` through
 # an entry point, which only pip creates; `python -m pagedkv.server` is the same parser.
 server_log="$OUT/${NAME}_server.log"
+trace="$OUT/${NAME}_steps.jsonl"
+if [[ "$STEP_TRACE" == 1 ]]; then rm -f "$trace"; export PAGEDKV_STEP_TRACE="$trace"; fi
 # shellcheck disable=SC2086  # SERVE_ARGS is a list of options
 "$PYTHON" -m pagedkv.server ${MODEL:+"$MODEL"} $SERVE_ARGS --host 127.0.0.1 --port "$PORT" \
   --uvicorn-log-level warning > "$server_log" 2>&1 &
@@ -122,6 +129,11 @@ for _ in $(seq 1 30); do
   sleep 1
 done
 echo "server stopped after $((SECONDS - start_s))s"
+unset PAGEDKV_STEP_TRACE
+if [[ "$STEP_TRACE" == 1 && -s "$OUT/$NAME.json" ]]; then
+  "$PYTHON" -m pagedkv.bench.step_trace "$trace" --sweep-json "$OUT/$NAME.json" --write \
+    2>&1 | tee "$OUT/${NAME}_steps.log"
+fi
 
 # The offline engine's decode step at each rate's batch size: same engine options, same GPU.
 decode_timeout=$((BUDGET_S - (SECONDS - start_s) - 5))

@@ -15,17 +15,19 @@ from ..server.conftest import RunningServer, launch_server, pagedkv_command, sto
 __all__ = ["RunningServer", "pagedkv_command"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """`pagedkv serve` on the embedded model."""
-    launch = launch_server(tmp_path_factory.mktemp("bench-server") / "server.log")
+    """`pagedkv serve` on the embedded model (stopped after its module: a server holds a GB
+    or two that the rest of the session needs)."""
+    launch = launch_server(tmp_path_factory.mktemp("bench-server") / "server.log",
+                           "--kv-cache-gb", "0.5")
     try:
         yield wait_ready(launch)
     finally:
         stop_server(launch.process)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tokfree_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """`pagedkv serve --skip-tokenizer-init`: the embedded model served on token ids alone (the
     way the GPU benchmarks serve bundled shape-only configs, which have no tokenizer)."""

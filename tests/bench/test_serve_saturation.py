@@ -221,7 +221,7 @@ def test_the_sweep_script_runs_on_the_cpu(tmp_path) -> None:
         "WARMUP_REQUESTS": "1", "PAUSE_S": "0", "PORT": str(_free_port()),
         "BENCH_EXTRA": "--workload random --input-len 8 --output-len 3 --metrics-period 0.05",
         "DECODE_EXTRA": "--steps 3 --warmup-steps 1", "BUDGET_S": "400",
-        "DECODE_RESERVE_S": "60",
+        "DECODE_RESERVE_S": "60", "STEP_TRACE": "1",
     }
     env.pop("PAGEDKV_GPU_ENV", None)
     done = subprocess.run(["bash", "scripts/gpu_serve_sweep.sh"], cwd=REPO, env=env,
@@ -241,6 +241,11 @@ def test_the_sweep_script_runs_on_the_cpu(tmp_path) -> None:
     for key in ("knee_rate", "tpot_over_decode_step_max_below_knee", "p99_itl_ms_max_below_knee"):
         assert data[key] == (pytest.approx(rec[key], rel=1e-3) if rec[key] else rec[key])
     assert (out / "serve_sweep_llama3_8b_decode_step.log").exists()
+    # STEP_TRACE=1: the engine core traced its steps, and each rate says where they went.
+    assert (out / "serve_sweep_llama3_8b_steps.jsonl").stat().st_size > 0
+    for s in data["rates"]:
+        assert s["started_at"] < s["ended_at"]
+        assert s["steps"]["num_steps"] >= 1 and 0 < s["steps"]["prefill_step_share"] <= 1
 
 
 def _free_port() -> int:
@@ -249,3 +254,36 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_step_trace_is_cut_per_rate_and_split_by_step_kind(tmp_path) -> None:
+    """`pagedkv.bench.step_trace`: per rate window, decode-only and prefill step intervals
+    (the time since the step before ended), shares and the CLI's --write."""
+    from pagedkv.bench import step_trace
+
+    def step(t, decode, prefill, asynchronous=True):
+        return {"t": t, "decode": decode, "prefill_tokens": prefill,
+                **({"wait": 1.0} if asynchronous else {"execute": 1.0})}
+
+    steps = [step(0.5, 0, 10, False),  # before the first rate: only the previous step's end
+             step(1.00, 2, 0), step(1.01, 2, 0), step(1.05, 2, 30, False), step(1.06, 3, 0),
+             step(5.0, 1, 0)]  # after it
+    row = step_trace.summarize_window(steps, 1.0, 2.0)
+    assert row["num_steps"] == 4 and row["steps_per_s"] == 4.0
+    assert row["prefill_step_share"] == 0.25 and row["async_step_share"] == 0.75
+    assert row["decode_step_interval_ms_median"] == pytest.approx(10.0)  # 500, 10, 10 ms
+    assert row["prefill_step_interval_ms_median"] == pytest.approx(40.0)
+    assert row["prefill_tokens_median"] == 30
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(s) + "\n" for s in steps) + '{"t": 9, "dec')  # cut short
+    assert len(step_trace.read_trace(trace)) == len(steps)
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"rates": [{"request_rate": 4, "started_at": 1.0,
+                                            "ended_at": 2.0}]}))
+    assert step_trace.main([str(trace), "--sweep-json", str(sweep), "--write"]) == 0
+    assert json.loads(sweep.read_text())["rates"][0]["steps"]["num_steps"] == 4
+    sweep.write_text(json.dumps({"rates": [{"request_rate": 4}]}))
+    before = sweep.read_text()
+    with pytest.raises(SystemExit):
+        step_trace.main([str(trace), "--sweep-json", str(sweep), "--write"])
+    assert sweep.read_text() == before  # nothing written

@@ -23,7 +23,10 @@ def test_bench_throughput_against_transformers(capsys, tmp_path):
     out = capsys.readouterr().out
     last = json.loads(out.strip().splitlines()[-1])
     assert last["output_tokens"] == 12 and last["output_tok_s"] > 0
-    assert last["hf_num_prompts"] == 2 and last["hf_best_batch_size"] in (1, 2)
+    assert last["hf_num_prompts"] == 2
+    # A static batch size only when a static batch was the best baseline.
+    static = last["hf_best_system"].startswith("generate, static batch")
+    assert last.get("hf_best_batch_size") in ((1, 2) if static else (None,))
     assert last["hf_best_output_tok_s"] > 0 and last["ratio_vs_hf"] == pytest.approx(
         last["output_tok_s"] / last["hf_best_output_tok_s"])
     assert last["ratio_vs_hf_same_requests"] == pytest.approx(

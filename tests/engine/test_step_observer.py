@@ -132,3 +132,34 @@ def test_async_scheduling_steps_are_observed(make_engine):
     records, _, _ = run(engine, [("a", PROMPT, greedy), ("b", "Hi", greedy)])
     assert records and all("wait" in r.timings for r in records[1:])
     check_consistent(records, 8)
+
+
+def test_the_step_trace_counts_every_prompt_token_and_decode(make_engine, tmp_path, monkeypatch):
+    """`PAGEDKV_STEP_TRACE`: one JSON line per step; over a run, the prefill tokens add up to
+    the prompts and the decode rows to every output token after the first (which the last
+    prefill chunk samples); a chunked prefill spreads over several lines."""
+    import json
+
+    from pagedkv.engine.core.step_trace import ENV_VAR, trace_from_env
+
+    engine = make_engine(max_num_batched_tokens=16, enable_chunked_prefill=True)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert trace_from_env(engine) is None
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(ENV_VAR, str(path))
+    trace = trace_from_env(engine)
+    prompts = [[1, *range(100, 130)], [1, 5, 6, 7]]  # 31 tokens: two chunks of 16 at most
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["step"] for x in lines] == sorted({x["step"] for x in lines})
+    assert sum(x["prefill_tokens"] for x in lines) == sum(map(len, prompts))
+    assert sum(x["prefill_tokens"] > 0 for x in lines) >= 2  # chunked
+    assert sum(x["decode"] for x in lines) == len(prompts) * (params.max_tokens - 1)
+    assert all(x["prefill_tokens"] <= 16 for x in lines)
+    assert all(("execute" in x) or ("wait" in x) for x in lines)  # the step's phases, in ms
+    assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)

@@ -168,7 +168,8 @@ def _launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, La
     base = tmp_path_factory.mktemp("servers")
     launches = {"main": launch_server(base / "main.log", "--trust-request-chat-template")}
     launches["keyed"] = launch_server(
-        base / "keyed.log", "--api-key", API_KEY, "--served-model-name", "tiny", "smol"
+        base / "keyed.log", "--api-key", API_KEY, "--served-model-name", "tiny", "smol",
+        "--kv-cache-gb", "0.25",
     )
     yield launches
     for launch in launches.values():

@@ -1399,6 +1399,8 @@ SATURATION_KEYS = (
     "follows_offered_load",
     "offline_decode_step_ms",
     "tpot_over_decode_step",
+    "started_at",  # wall clock (time.time()) when the rate's first request was due
+    "ended_at",  # and when its last response ended: the span of the rate in a step trace
 )
 
 
@@ -1503,13 +1505,16 @@ async def _measure_rate(
         sampler = asyncio.ensure_future(
             _sample_gauges(client, base, args.metrics_period, samples, stop)
         )
+    started_at = time.time()
     try:
         results, duration = await _send_all(client, base + args.endpoint, args, model, specs, rate)
     finally:
         stop.set()
         if sampler is not None:
             await sampler
+    # The wall clock, so that the engine core's step trace can be cut per rate.
     summary = {"request_rate": rate, "num_requests": len(specs),
+               "started_at": started_at, "ended_at": time.time(),
                **summarize(results, duration, model)}
     mean_out = statistics.fmean(s.output_len for s in specs)
     summary.update(rate_saturation(results, samples, rate * mean_out, args.knee_latency_growth))

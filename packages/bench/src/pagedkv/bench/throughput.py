@@ -318,28 +318,50 @@ def run_hf_continuous(model, reqs: list[BenchRequest],
 
     max_new = max(r.output_len for r in reqs)
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1)
+    cb = _hf_cache_config(reqs)
     ctx = getattr(model, "continuous_batching_context_manager", None)
     # no_grad, not inference_mode: the manager's thread updates its own tensors in place, which
     # inference tensors forbid outside inference mode.
     with torch.no_grad():
         if ctx is not None:
             try:
-                return _hf_manager_run(ctx, cfg, reqs, time_limit)
+                return _hf_manager_run(ctx, cfg, reqs, time_limit, cb)
             except TypeError as exc:  # a transformers version with another manager API
                 logger.warning("continuous batching manager API differs (%s); using "
                                "generate_batch with one max_new_tokens", exc)
         start = time.perf_counter()
-        model.generate_batch(inputs=[r.prompt_token_ids for r in reqs], generation_config=cfg)
+        extra = {} if cb is None else {"continuous_batching_config": cb}
+        model.generate_batch(inputs=[r.prompt_token_ids for r in reqs], generation_config=cfg,
+                             **extra)
         return time.perf_counter() - start, sum(r.output_len for r in reqs), "uniform-length"
 
 
+def _hf_cache_config(reqs: list[BenchRequest]):
+    """A continuous batching config whose paged KV cache holds every request at once, or None
+    where this transformers version has no such config. Left to itself, transformers sizes the
+    cache from the device's free memory (90% of it): on a CPU that is most of the machine's RAM,
+    which another process may need, and holding every request is all a throughput run asks."""
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        return None
+    page = 256  # transformers' default page_size: tokens per block
+    blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // page) for r in reqs)
+    try:
+        return ContinuousBatchingConfig(page_size=page, num_blocks=blocks + len(reqs))
+    except TypeError:  # another version's fields
+        return None
+
+
 def _hf_manager_run(ctx, cfg, reqs: list[BenchRequest],
-                    time_limit: float | None) -> tuple[float, int, str]:
+                    time_limit: float | None, cb=None) -> tuple[float, int, str]:
     import inspect
 
     import torch
 
     kwargs = {"generation_config": cfg, "block": True, "timeout": 30}
+    if cb is not None and "continuous_batching_config" in inspect.signature(ctx).parameters:
+        kwargs["continuous_batching_config"] = cb
     if "warmup" in inspect.signature(ctx).parameters:
         kwargs["warmup"] = torch.cuda.is_available()  # it captures CUDA graphs; nothing on CPU
     with ctx(**kwargs) as manager:

@@ -137,15 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.RCVHWM, 0)
     in_sock.connect(ns.input)
-    engine = None
+    engine = trace = None
     try:
         try:
             from pagedkv.engine.arg_utils import EngineArgs
             from pagedkv.engine.core.engine_core import EngineCore
+            from pagedkv.engine.core.step_trace import trace_from_env
             from pagedkv.engine.llm_engine import LLMEngine
 
             engine = LLMEngine(EngineArgs(**json.loads(ns.engine_args)))
             core = EngineCore(engine)
+            trace = trace_from_env(engine)
         except BaseException as exc:
             logger.exception("the engine core could not start")
             _fatal(out_sock, exc)
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("engine core shutting down")
         return 0
     finally:
+        if trace is not None:
+            trace.close()
         if engine is not None:
             engine.shutdown()
         in_sock.close(linger=0)

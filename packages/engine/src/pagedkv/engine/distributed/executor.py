@@ -115,6 +115,7 @@ class _Workers:
         self.stopping = threading.Event()
         self.closed = False
         self._lock = threading.Lock()
+        self._monitor: threading.Thread | None = None  # the only thread that reaps workers
 
     def spawn(
         self,
@@ -146,7 +147,9 @@ class _Workers:
             )
             proc.start()
             self.procs[rank] = proc
-        threading.Thread(target=self._watch, name="pagedkv-tp-monitor", daemon=True).start()
+        self._monitor = threading.Thread(target=self._watch, name="pagedkv-tp-monitor",
+                                         daemon=True)
+        self._monitor.start()
 
     def _watch(self) -> None:
         pending = {proc.sentinel: rank for rank, proc in self.procs.items()}
@@ -227,8 +230,10 @@ class _Workers:
         fails a moment before the dead process is reaped)."""
         deadline = time.monotonic() + seconds
         while self.failure is None and time.monotonic() < deadline:
-            if self.procs and not any(p.is_alive() for p in self.procs.values()):
-                break  # all reaped: the monitor has said what it will say
+            # Not `proc.is_alive()`: it reaps the child, and then the monitor, which names the
+            # dead rank, may lose the race and never see the exit.
+            if self._monitor is not None and not self._monitor.is_alive():
+                break  # every worker exited: the monitor has said what it will say
             if not self.procs and self.heartbeats is None:
                 break  # nothing watches torchrun's ranks
             time.sleep(0.02)
