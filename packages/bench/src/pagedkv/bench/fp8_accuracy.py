@@ -53,6 +53,8 @@ from pagedkv.bench.env import environment, hardware
 
 logger = logging.getLogger(__name__)
 
+PROG = "python -m pagedkv.bench.fp8_accuracy"
+
 #: Variant name -> the engine options it changes from the reference.
 VARIANTS: dict[str, dict[str, Any]] = {
     "control": {},
@@ -270,7 +272,8 @@ def run_accuracy(args: argparse.Namespace) -> int:
                "teacher_forced_top1"]
     rows = [{"variant": k, **{c: v[c] for c in columns}} for k, v in results.items()]
     print_table(rows, ["variant", *columns])
-    env = environment()
+    # Called as main(argv) from code: the command is that argv (else this process's own).
+    env = environment(argv=getattr(args, "argv", None), prog=PROG)
     marks = [p for p in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256) if p <= args.max_tokens]
     result = {
         "benchmark": "fp8_accuracy",
@@ -318,10 +321,10 @@ def run_accuracy(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from pagedkv.engine.arg_utils import EngineArgs
 
-    parser = engine_benchmark_parser("python -m pagedkv.bench.fp8_accuracy",
-                                     __doc__.split("\n")[0])
+    parser = engine_benchmark_parser(PROG, __doc__.split("\n")[0])
     add_accuracy_args(parser)
     EngineArgs.add_cli_args(parser)
+    parser.set_defaults(argv=argv)
     return run_engine_benchmark(parser.parse_args(argv), run_accuracy, "fp8_accuracy")
 
 
