@@ -17,7 +17,8 @@ import pytest
 import pagedattn_kernels
 from pagedattn_kernels import ops, reference
 
-# What the engine imports (packages/engine: attention.py, models/layers.py, runner.py).
+# What the engine imports (packages/engine: attention.py, models/layers.py,
+# models/quantization.py, worker/model_runner.py).
 ENGINE_NAMES = {
     "reshape_and_cache",
     "paged_attention",
@@ -28,10 +29,13 @@ ENGINE_NAMES = {
     "fused_add_rms_norm",
     "silu_and_mul",
     "rotary_embedding",
+    "quantize_fp8_per_token",
     "resolve_backend",
     "MAX_HIDDEN",
+    "FP8_DTYPE",
+    "FP8_MAX",
 }
-FOLDERS = ("attention", "cache", "fused")
+FOLDERS = ("attention", "cache", "fused", "quant")
 FOLDER_MODULES = ("ops", "checks", "torch_impl", "triton_launch", "triton_kernels", "reference")
 # Ops without a `backend=` choice, and why.
 NO_BACKEND = {"swap_blocks": "a swap is the copy engine's work on every device"}
@@ -47,7 +51,9 @@ def test_ops_is_the_public_face():
     for name in ops.__all__:
         assert getattr(pagedattn_kernels, name) is getattr(ops, name), name
     # Every engine op is found as an operation (the rule `operations()` applies is not vacuous).
-    assert set(ops.operations()) == ENGINE_NAMES - {"resolve_backend", "MAX_HIDDEN"}
+    assert set(ops.operations()) == ENGINE_NAMES - {
+        "resolve_backend", "MAX_HIDDEN", "FP8_DTYPE", "FP8_MAX"
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ops.operations()))
@@ -87,17 +93,20 @@ def test_every_folder_holds_the_same_files(folder):
 # of them compiles a new variant mid-serving (tests/kernels/test_specialization.py, on a GPU).
 NOT_SPECIALIZED = {
     ("attention", "decode_kernel"): {
-        "partition_size", "block_tables_ptr", "seq_lens_ptr", "stride_bt_seq",
+        "partition_size", "block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr",
+        "v_scale_ptr",
     },
     ("attention", "decode_reduce_kernel"): {"partition_size", "num_splits", "seq_lens_ptr"},
     ("attention", "prefill_kernel"): {
         "num_seqs", "cu_q_ptr", "block_tables_ptr", "seq_lens_ptr", "stride_bt_seq",
+        "k_scale_ptr", "v_scale_ptr",
     },
-    ("cache", "reshape_and_cache_kernel"): set(),
+    ("cache", "reshape_and_cache_kernel"): {"k_scale_ptr", "v_scale_ptr"},
     ("cache", "copy_blocks_kernel"): set(),
     ("fused", "rms_norm_kernel"): {"num_rows"},
     ("fused", "silu_and_mul_kernel"): {"num_rows"},
     ("fused", "rotary_kernel"): {"num_tokens"},
+    ("quant", "quantize_fp8_per_token_kernel"): {"cols", "stride_x", "stride_o"},
 }  # fmt: skip
 
 
@@ -145,6 +154,11 @@ def test_cpu_ops_need_no_triton():
         pk.fused_add_rms_norm(x, x.clone(), w, 1e-6)
         pk.silu_and_mul(x)
         pk.rotary_embedding(torch.arange(6), q.repeat(3, 1, 1), None, torch.ones(4))
+        k8, v8 = kc.to(pk.FP8_DTYPE), vc.to(pk.FP8_DTYPE)
+        scale = torch.tensor([0.5])
+        pk.reshape_and_cache(k, k, k8, v8, torch.arange(6) + 4, k_scale=scale, v_scale=scale)
+        pk.paged_decode_attention(q[:1], k8, v8, table, lens, k_scale=scale, v_scale=scale)
+        pk.quantize_fp8_per_token(x)
         assert "triton" not in sys.modules
         print("ok")
         """

@@ -138,18 +138,28 @@ def next_power_of_2(n: int) -> int:
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+# fp8 KV cache: e4m3 ("fn": finite, no infinities), largest magnitude 448. A cache of this dtype
+# holds each K (V) element as fp8(clamp(x / k_scale, -448, 448)), rounded to nearest even; the
+# kernels read it back as fp8 * k_scale, in registers.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
+
 
 def fail(op: str, message: str) -> ValueError:
     return ValueError(f"{op}: {message}")
 
 
-def check_float(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
+def check_float(
+    op: str, name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+) -> None:
     if not isinstance(t, torch.Tensor):
         raise fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise fail(op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise fail(op, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise fail(op, f"{name} must be one of {names}, got {t.dtype}")
 
 
 def check_index(op: str, name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
@@ -174,9 +184,10 @@ def check_same_device(op: str, device: torch.device, **tensors: torch.Tensor) ->
 def check_caches(
     op: str, key_cache: torch.Tensor, value_cache: torch.Tensor
 ) -> tuple[int, int, int, int]:
-    """Both caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, same shape and dtype."""
-    check_float(op, "key_cache", key_cache, 4)
-    check_float(op, "value_cache", value_cache, 4)
+    """Both caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, same shape and dtype
+    (a float dtype, or fp8 e4m3)."""
+    check_float(op, "key_cache", key_cache, 4, CACHE_DTYPES)
+    check_float(op, "value_cache", value_cache, 4, CACHE_DTYPES)
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
         raise fail(
             op,
@@ -196,3 +207,60 @@ def check_unit_stride(op: str, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise fail(op, f"{name} needs stride 1 in its last dim (got {t.stride(-1)})")
+
+
+def check_kv_scales(
+    op: str, key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> None:
+    """fp8 caches take ``k_scale`` / ``v_scale``: None (1.0) or a float32 tensor of one element
+    on the caches' device (a tensor, not a number, so a CUDA graph reads its current value).
+    Caches of a float dtype hold values as they are: no scales."""
+    if k_scale is None and v_scale is None:
+        return
+    if key_cache.dtype != FP8_DTYPE:
+        raise fail(op, f"k_scale/v_scale apply to fp8 caches only; these are {key_cache.dtype}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            continue
+        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32:
+            got = f"{s.dtype} of {s.numel()} elements" if isinstance(s, torch.Tensor) else s
+            raise fail(op, f"{name} must be a float32 tensor of one element, got {got}")
+        if s.device != key_cache.device:
+            raise fail(op, f"{name} is on {s.device} but the caches are on {key_cache.device}")
+
+
+def check_fp8_triton(op: str, device: torch.device) -> None:
+    """The Triton kernels convert fp8 e4m3 in hardware from compute capability 8.9 (Ada,
+    Hopper) on; the interpreter (CPU tensors) converts on any machine."""
+    if device.type == "cuda" and _capability(device) < (8, 9):
+        raise fail(
+            op,
+            f"fp8 caches need a GPU of compute capability 8.9 or newer for the Triton kernels "
+            f"(this one is {_capability(device)}); use backend='torch' or a float cache",
+        )
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _unit(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+def scale_or_unit(scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The scale tensor a kernel reads: the given one, or a cached 1.0 on ``device``."""
+    return scale if scale is not None else _unit(device)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor viewed as uint8 (same bytes): torch's indexing and copying ops do not all
+    take fp8 (e.g. ``index_copy_`` on the CPU), and a copy moves bytes whatever they encode.
+    Other tensors are returned as they are."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t

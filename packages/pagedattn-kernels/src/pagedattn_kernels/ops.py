@@ -7,7 +7,8 @@ checks (``checks.py``), the torch path (``torch_impl.py``), the Triton launchers
 
 - ``attention/``: paged attention over mixed prefill/decode batches, paged decode attention;
 - ``cache/``: writing K/V into their slots, copying blocks (copy-on-write), swapping blocks;
-- ``fused/``: RMSNorm (with the residual add), SiLU-and-multiply, rotary embedding.
+- ``fused/``: RMSNorm (with the residual add), SiLU-and-multiply, rotary embedding;
+- ``quant/``: per-token fp8 quantization of activations (the dynamic side of an fp8 matmul).
 
 This module imports each op from its folder, and that import line is what makes an op public:
 ``pagedattn_kernels`` re-exports this module's ``__all__`` and ``pagedattn_kernels.reference``
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from pagedattn_kernels.attention.ops import paged_attention, paged_decode_attention
 from pagedattn_kernels.cache.ops import copy_blocks, reshape_and_cache, swap_blocks, swap_stream
-from pagedattn_kernels.common import BACKENDS, resolve_backend
+from pagedattn_kernels.common import BACKENDS, FP8_DTYPE, FP8_MAX, resolve_backend
 from pagedattn_kernels.fused.ops import (
     MAX_HIDDEN,
     fused_add_rms_norm,
@@ -33,6 +34,7 @@ from pagedattn_kernels.fused.ops import (
     rotary_embedding,
     silu_and_mul,
 )
+from pagedattn_kernels.quant.ops import quantize_fp8_per_token
 
 __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     # attention/
@@ -49,6 +51,11 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    # quant/
+    "quantize_fp8_per_token",
+    # fp8 (common): the cache dtype of an fp8 KV cache and its largest magnitude
+    "FP8_DTYPE",
+    "FP8_MAX",
     # backend choice (common)
     "BACKENDS",
     "resolve_backend",

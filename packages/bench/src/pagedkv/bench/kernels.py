@@ -492,8 +492,16 @@ def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) 
         to.PrefillConfig(128, 64, 8, 3),
         to.PrefillConfig(64, 128, 4, 3),
         to.PrefillConfig(128, 128, 8, 4),
+        to.PrefillConfig(128, 64, 4, 3),
+        to.PrefillConfig(256, 64, 8, 3),
+        to.PrefillConfig(256, 128, 8, 2),
+        to.PrefillConfig(64, 64, 4, 4),
     ]
     prefill = _sweep_prefill(setup, 4096, prefill_cfgs, gen, deadline)
+    # The three fastest at 4k again at 16k, where the prefill goal is measured too.
+    fastest = sorted((r for r in prefill if "tflops" in r), key=lambda r: -r["tflops"])[:3]
+    prefill += _sweep_prefill(setup, 16384, [to.PrefillConfig(**r["config"]) for r in fastest],
+                              gen, deadline)
     return {"decode": decode, "prefill": prefill}
 
 
@@ -666,6 +674,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="stop starting sweeps after this many seconds")  # fmt: skip
     ap.add_argument("--fused-only", action="store_true",
                     help="only the fused elementwise ops (and the copy bandwidth)")  # fmt: skip
+    ap.add_argument("--fp8", action="store_true",
+                    help="also the fp8 rows: decode and prefill on an fp8 KV cache, the decode "
+                         "GEMMs of fp8 weights (pagedkv.bench.kernels_fp8)")  # fmt: skip
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="only the fp8 rows (and the 16-bit prefill rows, their SDPA baseline)")
     args = ap.parse_args(argv)
     start = time.monotonic()
     if args.quick:
@@ -697,15 +710,33 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s (bytes read + written)", flush=True)
     prefill: list[dict] = []
     decode: list[dict] = []
+    fused: list[dict] = []
     if not args.fused_only:
         _warm_gpu(setup.device)
         prefill = bench_prefill(setup, gen)
+        if not args.fp8_only:
+            _warm_gpu(setup.device)
+            decode = bench_decode(setup, copy_bw, gen)
+    fp8: dict = {}
+    if args.fp8 or args.fp8_only:
+        from pagedkv.bench import kernels_fp8
+
         _warm_gpu(setup.device)
-        decode = bench_decode(setup, copy_bw, gen)
-    _warm_gpu(setup.device)
-    fused = bench_fused(setup, copy_bw, gen)
+        decode_fp8 = kernels_fp8.bench_decode_fp8(setup, copy_bw, gen)
+        prefill_fp8 = kernels_fp8.bench_prefill_fp8(setup, gen, prefill)
+        _warm_gpu(setup.device)
+        gemm, gemm_layer = kernels_fp8.bench_gemm(setup, gen)
+        fp8_sweep = []
+        if not setup.quick and not args.no_sweeps:
+            fp8_sweep = kernels_fp8.sweep_decode_fp8(setup, copy_bw, gen, start + args.budget_s)
+        fp8 = {**kernels_fp8.fp8_headlines(decode_fp8, prefill_fp8, gemm_layer),
+               "decode_fp8": decode_fp8, "prefill_fp8": prefill_fp8, "gemm": gemm,
+               "gemm_layer": gemm_layer, "sweep_decode_fp8": fp8_sweep}  # fmt: skip
+    if not args.fp8_only:
+        _warm_gpu(setup.device)
+        fused = bench_fused(setup, copy_bw, gen)
     swept = {}
-    if not setup.quick and not args.no_sweeps and not args.fused_only:
+    if not setup.quick and not args.no_sweeps and not args.fused_only and not args.fp8_only:
         swept = sweeps(setup, copy_bw, gen, start + args.budget_s)
 
     print()
@@ -753,6 +784,7 @@ def main(argv: list[str] | None = None) -> dict:
         if headline
         else None,
         "prefill_vs_sdpa_4k": _pick(prefill, "vs_sdpa", tokens=4096) if headline else None,
+        "prefill_vs_sdpa_16k": _pick(prefill, "vs_sdpa", tokens=16384) if headline else None,
         "decode_bw_frac_b64_c4k_graph": _pick(decode, "graph_bw_frac", batch=64, context=4096),
         "decode_vs_sdpa_b64_c4k_graph": _pick(decode, "graph_vs_sdpa", batch=64, context=4096),
         "decode_bw_frac_b1_c32k_graph": _pick(decode, "graph_bw_frac", batch=1, context=32768),
@@ -774,6 +806,7 @@ def main(argv: list[str] | None = None) -> dict:
         "decode": decode,
         "fused": fused,
         "prefill": prefill,
+        **fp8,
         "sweeps": swept,
         "seconds": round(time.monotonic() - start, 1),
     }

@@ -8,7 +8,10 @@ passes and divided by the run's wall-clock time, that is the *roofline fraction*
 mean no host overhead, no idle GPU and kernels at the hardware's peak.
 
 Both rates are measured in the same run (a large device-to-device copy and a large bf16
-matmul), not taken from a datasheet.
+matmul), not taken from a datasheet. With fp8 weights (``--quantization fp8``) the weights are
+counted at their stored size (one byte for the quantized linear layers) and their matmuls at
+the rate of an fp8 ``torch._scaled_mm`` measured the same way; with an fp8 KV cache the KV
+bytes per token are the cache's (half those of bf16).
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ import torch
 class Hardware:
     bandwidth: float  # bytes/s, counting bytes read and written
     matmul_flops: float  # FLOP/s of a large matmul in the model's dtype
+    fp8_matmul_flops: float | None = None  # FLOP/s of a large fp8 scaled matmul (fp8 weights)
 
     def as_dict(self) -> dict[str, float]:
-        return {"hbm_gb_s": self.bandwidth / 1e9, "matmul_tflop_s": self.matmul_flops / 1e12}
+        out = {"hbm_gb_s": self.bandwidth / 1e9, "matmul_tflop_s": self.matmul_flops / 1e12}
+        if self.fp8_matmul_flops is not None:
+            out["fp8_matmul_tflop_s"] = self.fp8_matmul_flops / 1e12
+        return out
 
 
 def _time_cuda(fn, iters: int) -> float:
@@ -43,8 +50,10 @@ def _time_cuda(fn, iters: int) -> float:
 
 
 @torch.inference_mode()
-def measure_hardware(device: torch.device, dtype: torch.dtype) -> Hardware:
-    """Copy bandwidth (2 GiB buffer) and matmul rate (8192^3) on `device`, about a second."""
+def measure_hardware(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> Hardware:
+    """Copy bandwidth (2 GiB buffer) and matmul rate (8192^3) on `device`, about a second;
+    with `fp8`, also the rate of ``torch._scaled_mm`` on e4m3 operands with row-wise scales
+    (the engine's fp8 matmul)."""
     n = 1 << 30
     bufs = [torch.empty(n, dtype=torch.int16, device=device) for _ in range(2)]
     secs = _time_cuda(lambda: bufs[1].copy_(bufs[0]), 10)
@@ -52,41 +61,57 @@ def measure_hardware(device: torch.device, dtype: torch.dtype) -> Hardware:
     k = 8192
     mats = [torch.randn(k, k, dtype=dtype, device=device) for _ in range(2)]
     flops = 2 * k**3 / _time_cuda(lambda: torch.mm(mats[0], mats[1]), 10)
+    fp8_flops = None
+    if fp8:
+        a, b = (m.to(torch.float8_e4m3fn) for m in mats)
+        sa = torch.ones(k, 1, dtype=torch.float32, device=device)
+        sb = torch.ones(1, k, dtype=torch.float32, device=device)
+        fp8_flops = 2 * k**3 / _time_cuda(
+            lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+            10,
+        )
+        del a, b
     bufs.clear()
     mats.clear()
     torch.cuda.empty_cache()
-    return Hardware(bandwidth=bandwidth, matmul_flops=flops)
+    return Hardware(bandwidth=bandwidth, matmul_flops=flops, fp8_matmul_flops=fp8_flops)
 
 
 @dataclass(slots=True)
 class ModelCost:
     """Per-pass costs of one model: what a pass reads and computes, per token and per pair."""
 
-    weight_bytes: float  # every weight but the embedding table
+    weight_bytes: float  # every weight but the embedding table, at its stored size
     matmul_params: int  # weights multiplied once per token (the LM head is counted per sample)
     lm_head_params: int
     kv_bytes_per_token: int
     attn_flops_per_pair: int  # QK^T and PV for one (query, key) pair, all layers and heads
+    fp8_params: int = 0  # of matmul_params, those stored in fp8 (multiplied at the fp8 rate)
 
     @classmethod
     def of(cls, model: torch.nn.Module, model_config: Any, kv_bytes_per_token: int,
            tensor_parallel_size: int = 1) -> ModelCost:
         """Costs for one GPU: `model` is that GPU's shard (its own parameters), and with tensor
-        parallelism each GPU holds and attends over 1/N of the heads."""
-        embed = lm_head = 0
-        total = 0
-        itemsize = 2
+        parallelism each GPU holds and attends over 1/N of the heads. `kv_bytes_per_token`:
+        the whole model's, in the KV cache's dtype."""
+        embed = lm_head = total = fp8 = 0
+        weight_bytes = 0
+        embed_itemsize = 2
         for name, p in model.named_parameters():
             total += p.numel()
-            itemsize = p.element_size()
             if "embed_tokens" in name or name.endswith("wte.weight"):
                 embed += p.numel()
-            elif "lm_head" in name:
+                embed_itemsize = p.element_size()
+                continue
+            weight_bytes += p.numel() * p.element_size()
+            if "lm_head" in name:
                 lm_head += p.numel()
+            elif p.dtype == torch.float8_e4m3fn:
+                fp8 += p.numel()
         tied = lm_head == 0
         lm_head = lm_head or model_config.hidden_size * model_config.vocab_size // tensor_parallel_size
-        # A tied LM head reads the embedding table once per pass as its output matrix.
-        weight_bytes = (total - embed + (lm_head if tied else 0)) * itemsize
+        if tied:  # a tied LM head reads the embedding table once per pass as its output matrix
+            weight_bytes += lm_head * embed_itemsize
         c = model_config
         return cls(
             weight_bytes=weight_bytes,
@@ -94,6 +119,7 @@ class ModelCost:
             lm_head_params=lm_head,
             kv_bytes_per_token=kv_bytes_per_token // tensor_parallel_size,
             attn_flops_per_pair=4 * c.num_layers * c.num_heads * c.head_dim // tensor_parallel_size,
+            fp8_params=fp8,
         )
 
     def pass_bound(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
@@ -101,9 +127,12 @@ class ModelCost:
         """Lower bound in seconds for one pass of `tokens` new tokens over `seqs` sequences
         that attend to `kv_tokens` cached tokens in all (`pairs` query-key pairs)."""
         moved = self.weight_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
-        flops = (2 * self.matmul_params * tokens + 2 * self.lm_head_params * seqs
-                 + self.attn_flops_per_pair * pairs)
-        return max(moved / hw.bandwidth, flops / hw.matmul_flops)
+        flops = (2 * (self.matmul_params - self.fp8_params) * tokens
+                 + 2 * self.lm_head_params * seqs + self.attn_flops_per_pair * pairs)
+        compute = flops / hw.matmul_flops
+        if self.fp8_params:
+            compute += 2 * self.fp8_params * tokens / (hw.fp8_matmul_flops or hw.matmul_flops)
+        return max(moved / hw.bandwidth, compute)
 
 
 def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, int, int]],

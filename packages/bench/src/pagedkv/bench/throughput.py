@@ -115,6 +115,19 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
     return reqs
 
 
+def _dataset_label(path: str) -> str:
+    """What a `--dataset` file holds, for the result: its name, and its `source` when it says
+    (`paper_gpu prepare` writes "sharegpt-real": real ShareGPT V3 requests)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return f"dataset {path}"
+    source = data.get("source") if isinstance(data, dict) else None
+    if source == "sharegpt-real":
+        return f"sharegpt (real ShareGPT V3, from {Path(path).name})"
+    return f"dataset {Path(path).name}" + (f" ({source})" if source else "")
+
+
 def sharegpt_requests(num_prompts: int, seed: int, vocab_size: int) -> list[BenchRequest]:
     """Real ShareGPT prompts (token ids of the embedded model's tokenizer) and reply lengths.
     A model with another vocabulary gets the same ids (same lengths; dummy weights do not mind)
@@ -174,6 +187,10 @@ def _num_gpu_blocks(engine: Any) -> int:
 
 def _torch_model(engine: Any) -> Any:
     return engine.runner.model
+
+
+def _kv_dtype(engine: Any) -> Any:
+    return engine.runner.kv_cache.dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,9 +433,11 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "model": mc.name, "dtype": str(mc.dtype).removeprefix("torch."),
                     "workload": args.workload or (
                         "sharegpt (real ShareGPT V3)" if args.dataset == "sharegpt" else
-                        "dataset" if args.dataset else
+                        _dataset_label(args.dataset) if args.dataset else
                                                   f"fixed {args.input_len}/{args.output_len}"),
                     "num_gpu_blocks": _num_gpu_blocks(engine),
+                    "kv_cache_dtype": engine.args.kv_cache_dtype,
+                    "quantization": engine.args.quantization or "none",
                     "max_num_seqs": engine.args.max_num_seqs,
                     "triton_compiles_during_run": len(compiled), "env": env}
 
@@ -427,8 +446,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
             raise ValueError("--roofline measures a GPU; this run is on the CPU")
         from pagedkv.bench.roofline import ModelCost, measure_hardware, roofline_report
 
-        hw = measure_hardware(engine.device, mc.dtype)
-        cost = ModelCost.of(_torch_model(engine), mc, mc.kv_bytes_per_token(),
+        hw = measure_hardware(engine.device, mc.dtype, fp8=engine.args.quantization == "fp8")
+        cost = ModelCost.of(_torch_model(engine), mc, mc.kv_bytes_per_token(_kv_dtype(engine)),
                             engine.args.tensor_parallel_size)
         result.update(roofline_report(cost, hw, run.passes, run.step_seconds, secs,
                                       gpu_seconds=run.gpu_seconds))

@@ -20,6 +20,12 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "ha
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _DEVICES = ("auto", "cuda", "cpu")
+#: `--kv-cache-dtype`: "auto" stores K/V in the model dtype; "fp8" in e4m3 with per-layer
+#: scales (half the bytes of bf16: twice the blocks in the same memory).
+KV_CACHE_DTYPES = ("auto", "fp8")
+#: `--quantization`: "fp8" quantizes the linear layers' weights to e4m3 per output channel at
+#: load time and each activation row dynamically (``pagedkv.engine.models.quantization``).
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass
@@ -53,6 +59,8 @@ class EngineArgs:
     distributed_timeout: float = 300.0
     # Overlap the host with the device for plain greedy batches (None: on for one CUDA GPU).
     async_scheduling: bool | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +100,13 @@ class EngineArgs:
             raise bad("distributed_timeout", f"must be positive seconds (got {self.distributed_timeout})")
         if self.device not in _DEVICES:
             raise bad("device", f"must be one of {_DEVICES} (got {self.device!r})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} "
+                      f"(got {self.kv_cache_dtype!r})")
+        if self.quantization == "none":
+            self.quantization = None
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"must be 'fp8' or 'none' (got {self.quantization!r})")
         for name in ("num_gpu_blocks_override", "num_cpu_blocks_override"):
             value = getattr(self, name)
             if value is not None and value < (1 if name == "num_gpu_blocks_override" else 0):
@@ -139,6 +154,13 @@ class EngineArgs:
                        help="schedule and launch step N+1 before step N's tokens reach the host "
                             "(plain greedy batches; default: on with one CUDA GPU)")
         g.add_argument("--device", choices=_DEVICES, default="auto", help="where to run (auto: CUDA if present)")
+        g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="KV cache storage: auto = the model dtype; fp8 = e4m3 with per-layer "
+                            "scales (twice the blocks in the same memory)")
+        g.add_argument("--quantization", "-q", choices=("none", "fp8"), default="none",
+                       help="fp8: linear-layer weights in e4m3 with per-channel scales, "
+                            "activations quantized per token (torch._scaled_mm on GPUs of "
+                            "compute capability 8.9+, a dequantizing matmul elsewhere)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of KV blocks (tests and experiments)")
         g.add_argument("--num-cpu-blocks-override", type=int, default=None,

@@ -6,6 +6,12 @@ through the block tables. Because the write happens before the read inside the s
 prefill chunk sees its own tokens and a decode token sees itself, with no special cases.
 
 The runner builds one :class:`AttentionMetadata` per step and every layer shares it.
+
+With an fp8 KV cache (``--kv-cache-dtype fp8``) the write quantizes to e4m3 and the kernels read
+``fp8 * scale``; each layer holds its K and V scales (``k_scale``, ``v_scale``: float32 tensors
+of one element, 1.0 unless a checkpoint or a caller sets them), passed to the kernels as
+tensors so that a captured CUDA graph reads their current values. A cache in the model dtype
+ignores them and runs exactly as before.
 """
 
 from __future__ import annotations
@@ -66,6 +72,14 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = float(scale)
+        self.register_buffer("k_scale", torch.ones(1), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Refill the fp8 scales with 1.0 in float32 (whatever the model dtype) after the module
+        was materialized from the meta device or cast."""
+        self.k_scale = torch.ones(1, dtype=torch.float32, device=self.k_scale.device)
+        self.v_scale = torch.ones(1, dtype=torch.float32, device=self.v_scale.device)
 
     def forward(
         self,
@@ -80,7 +94,12 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        pagedattn_kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        scales = {}
+        if key_cache.dtype == pagedattn_kernels.FP8_DTYPE:
+            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        pagedattn_kernels.reshape_and_cache(
+            key, value, key_cache, value_cache, meta.slot_mapping, **scales
+        )
         if meta.decode_only:
             out = pagedattn_kernels.paged_decode_attention(
                 query,
@@ -90,6 +109,7 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 scale=self.scale,
                 max_seq_len=meta.max_seq_len,
+                **scales,
             )
         elif meta.num_decode_seqs:
             nd = meta.num_decode_seqs
@@ -103,6 +123,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 max_seq_len=meta.max_seq_len,
                 out=out[:nd],
+                **scales,
             )
             pagedattn_kernels.paged_attention(
                 query[nd:],
@@ -115,6 +136,7 @@ class Attention(nn.Module):
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
                 out=out[nd:],
+                **scales,
             )
         else:
             out = pagedattn_kernels.paged_attention(
@@ -127,6 +149,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
+                **scales,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -39,6 +39,18 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: KV cache storage by `--kv-cache-dtype` name ("auto": the model dtype).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV cache tensors for `--kv-cache-dtype` ``name``: the model dtype for
+    "auto", e4m3 for "fp8" (each K/V element one byte, read back as ``fp8 * scale``)."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8":
+        return FP8_KV_DTYPE
+    raise ValueError(f"unknown kv_cache_dtype {name!r}; use 'auto' or 'fp8'")
 
 
 def embedded_model_path() -> Path:

@@ -64,11 +64,13 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     seed: int = 0,
     tp: TPInfo | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """The model in eval mode with its weights, on ``device`` (default: CUDA if available) in
     ``dtype`` (default: ``config.dtype``). ``device="meta"`` returns the shapes only (nothing is
     read or allocated). ``seed`` seeds dummy weights. ``tp``: build and load one tensor-parallel
-    rank's shard only."""
+    rank's shard only. ``quantization="fp8"``: the linear layers' weights quantized to e4m3 per
+    output channel once loaded (``pagedkv.engine.models.quantization``)."""
     fmt = resolve_load_format(config, load_format)
     dtype = config.dtype if dtype is None else parse_dtype(dtype)
     device = default_device() if device is None else torch.device(device)
@@ -93,13 +95,20 @@ def load_model(
             from pagedkv.engine.weights.hf import iter_safetensors_weights
 
             model.load_weights(iter_safetensors_weights(config.path, lazy=sharded))
+    if quantization is not None:  # on "meta": the quantized shapes and dtypes
+        from pagedkv.engine.models.quantization import quantize_model
+
+        quantize_model(model, quantization)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the 16-bit weights just freed
     model.eval().requires_grad_(False)
     logger.info(
-        "loaded %s (%s, %s weights, %s on %s%s) in %.2f s",
+        "loaded %s (%s, %s weights, %s%s on %s%s) in %.2f s",
         config.name,
         config.architecture,
         fmt,
         dtype,
+        f", {quantization} linear layers" if quantization else "",
         device,
         f", tensor-parallel rank {tp.rank} of {tp.size}" if sharded else "",
         time.perf_counter() - start,

@@ -15,10 +15,13 @@ import torch
 
 from pagedattn_kernels.attention.triton_launch import MAX_HEAD_DIM
 from pagedattn_kernels.common import (
+    CACHE_DTYPES,
     FLOAT_DTYPES,
+    FP8_DTYPE,
     INDEX_DTYPES,
     check_caches,
     check_float,
+    check_fp8_triton,
     check_index,
     check_same_device,
     check_unit_stride,
@@ -49,9 +52,10 @@ def _attention_ok(
         return (
             len(shape) == 4
             and value_cache.shape == shape
-            and dtype in FLOAT_DTYPES
+            and dtype in CACHE_DTYPES
             and value_cache.dtype == dtype
-            and query.dtype == dtype
+            and query.dtype in FLOAT_DTYPES
+            and (query.dtype == dtype or dtype == FP8_DTYPE)
             and query.dim() == 3
             and query.shape[2] == shape[3]
             and query.shape[1] > 0
@@ -78,7 +82,7 @@ def _attention_ok(
             )
             and (
                 out is None
-                or (out.shape == query.shape and out.dtype == dtype and out.device == device)
+                or (out.shape == query.shape and out.dtype == query.dtype and out.device == device)
             )
             and scale is None
             and (max_query_len is None or (type(max_query_len) is int and max_query_len >= 0))
@@ -113,7 +117,7 @@ def check_attention(
     check_float(op, "query", query, 3)
     if query.shape[2] != d:
         raise fail(op, f"query head dim {query.shape[2]} differs from the caches' {d}")
-    if query.dtype != key_cache.dtype:
+    if query.dtype != key_cache.dtype and key_cache.dtype != FP8_DTYPE:
         raise fail(op, f"query is {query.dtype} but the caches are {key_cache.dtype}")
     num_heads = query.shape[1]
     if num_heads == 0 or num_heads % hkv:
@@ -193,8 +197,11 @@ def check_triton_attention(
     op: str, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     out: torch.Tensor,
 ) -> None:  # fmt: skip
-    """What only the Triton kernels need: head dims up to ``MAX_HEAD_DIM`` and unit strides on
-    the head dim of the caches and the output (the query is made contiguous if it is not)."""
+    """What only the Triton kernels need: head dims up to ``MAX_HEAD_DIM``, unit strides on
+    the head dim of the caches and the output (the query is made contiguous if it is not), and
+    for fp8 caches a GPU that converts fp8 (see ``common.check_fp8_triton``)."""
+    if key_cache.dtype == FP8_DTYPE:
+        check_fp8_triton(op, key_cache.device)
     if (
         query.shape[2] <= MAX_HEAD_DIM
         and key_cache.stride(-1) == 1

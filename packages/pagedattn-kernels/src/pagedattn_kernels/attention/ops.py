@@ -13,7 +13,7 @@ import torch
 
 from pagedattn_kernels.attention import torch_impl, triton_launch
 from pagedattn_kernels.attention.checks import check_attention, check_triton_attention
-from pagedattn_kernels.common import fail, resolve_backend
+from pagedattn_kernels.common import check_kv_scales, fail, resolve_backend
 
 __all__ = ["paged_attention", "paged_decode_attention"]
 
@@ -30,6 +30,8 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed, mixed batch of prefill chunks and decode tokens.
@@ -38,28 +40,34 @@ def paged_attention(
     tokens of its ``seq_lens[i]``-token context, whose K/V are already in the cache. The token
     at context position p sees keys 0..p. Returns ``out`` (allocated when None).
     With ``max_query_len == 1`` (all decode) the flash-decoding kernel runs instead.
+    fp8 caches: keys read as ``fp8 * k_scale``, values as ``fp8 * v_scale`` (float32 tensors
+    of one element; None = 1.0); the query and ``out`` keep their float dtype.
     """
     op = "paged_attention"
     check_attention(
         op, query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, out,
         scale, max_query_len, max_seq_len,
     )  # fmt: skip
+    check_kv_scales(op, key_cache, k_scale, v_scale)
     scale = float(scale) if scale is not None else query.shape[2] ** -0.5
     if out is None:
         out = torch.empty_like(query)
     if resolve_backend(key_cache.device, backend) == "torch":
         return torch_impl.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out
-        )
+            query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out,
+            k_scale, v_scale,
+        )  # fmt: skip
     check_triton_attention(op, query, key_cache, value_cache, out)
     query = query if query.stride(-1) == 1 else query.contiguous()
     if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
         return triton_launch.paged_decode_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out
-        )
+            query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     return triton_launch.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out
-    )
+        query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -72,6 +80,8 @@ def paged_decode_attention(
     scale: float | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: str | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -79,12 +89,14 @@ def paged_decode_attention(
     whole context of ``seq_lens[i]`` tokens. On the GPU, long contexts are split over several
     programs (flash-decoding) and merged; ``num_splits`` overrides the automatic choice
     (Triton backend only). A sequence of length 0 (batch padding) gets zeros.
+    fp8 caches: ``k_scale`` / ``v_scale`` as in :func:`paged_attention`.
     """
     op = "paged_decode_attention"
     check_attention(
         op, query, key_cache, value_cache, block_tables, seq_lens, None, out,
         scale, None, max_seq_len,
     )  # fmt: skip
+    check_kv_scales(op, key_cache, k_scale, v_scale)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise fail(op, f"num_splits must be a positive int, got {num_splits!r}")
     scale = float(scale) if scale is not None else query.shape[2] ** -0.5
@@ -92,11 +104,11 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if resolve_backend(key_cache.device, backend) == "torch":
         return torch_impl.paged_decode_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, out
+            query, key_cache, value_cache, block_tables, seq_lens, scale, out, k_scale, v_scale
         )
     check_triton_attention(op, query, key_cache, value_cache, out)
     query = query if query.stride(-1) == 1 else query.contiguous()
     return triton_launch.paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
-        num_splits=num_splits,
+        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -7,14 +7,21 @@ that continues an earlier context. Decode tokens (chunks of one query) of simila
 lengths are batched into one SDPA call with a key-padding mask, so a decode step costs a few
 calls per layer rather than one per sequence.
 
+fp8 caches are gathered as fp8 (the bytes, half the memory traffic of 16-bit ones) and only the
+gathered context is converted: ``fp8 -> float32``, times the scale, rounded to the query's dtype.
+
 Inputs arrive checked (``ops`` checks them). The host reads lengths with ``tolist()``,
 which is free on CPU tensors and a device sync on CUDA tensors.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from pagedattn_kernels.common import FP8_DTYPE
 
 # A decode group's padded length stays within this factor of its shortest context (plus a
 # little), so batching never multiplies the work of short sequences by much.
@@ -22,12 +29,36 @@ _GROUP_SPREAD = 1.5
 _GROUP_SLACK = 64
 
 
-def _gather(cache: torch.Tensor, table_rows: torch.Tensor, length: int) -> torch.Tensor:
-    """K or V of sequences as ``[batch, num_kv_heads, length, head_dim]`` (a copy)."""
+@dataclass(frozen=True, slots=True)
+class KVRead:
+    """How cached K/V become the query's dtype: as they are, or (fp8 caches) ``fp8 * scale``."""
+
+    dtype: torch.dtype
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def dequantize(self, picked: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if picked.dtype != FP8_DTYPE:
+            return picked
+        values = picked.to(torch.float32)
+        if scale is not None:
+            values = values * scale
+        return values.to(self.dtype)
+
+
+def _gather(
+    cache: torch.Tensor, table_rows: torch.Tensor, length: int, read: KVRead,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """K or V of sequences as ``[batch, num_kv_heads, length, head_dim]`` (a copy) in the
+    query's dtype."""
     batch, num_blocks = table_rows.shape
-    picked = cache[table_rows]  # [batch, blocks, block_size, heads, dim]
+    if cache.dtype == FP8_DTYPE:  # torch indexes fp8 tensors as their bytes
+        picked = cache.view(torch.uint8)[table_rows].view(FP8_DTYPE)
+    else:
+        picked = cache[table_rows]  # [batch, blocks, block_size, heads, dim]
     picked = picked.reshape(batch, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
-    return picked[:, :length].transpose(1, 2)
+    return read.dequantize(picked[:, :length], scale).transpose(1, 2)
 
 
 def _decode_groups(lens: list[int], members: list[int]) -> list[list[int]]:
@@ -49,6 +80,7 @@ def _decode_batch(
     table_rows: torch.Tensor,
     lens: list[int],
     scale: float,
+    read: KVRead,
 ) -> torch.Tensor:
     """Attention of one query token per sequence; ``query_rows`` ``[batch, heads, dim]``."""
     longest = max(lens)
@@ -60,8 +92,8 @@ def _decode_batch(
         need = torch.tensor([-(-n // block_size) for n in lens], device=table_rows.device)
         in_use = torch.arange(cols, device=table_rows.device)[None, :] < need[:, None]
         table_rows = torch.where(in_use, table_rows, 0)
-    k = _gather(key_cache, table_rows, longest)
-    v = _gather(value_cache, table_rows, longest)
+    k = _gather(key_cache, table_rows, longest, read, read.k_scale)
+    v = _gather(value_cache, table_rows, longest, read, read.v_scale)
     mask = None
     if min(lens) != longest:
         lens_t = torch.tensor(lens, device=k.device)
@@ -81,13 +113,14 @@ def _prefill_one(
     table_row: torch.Tensor,
     seq_len: int,
     scale: float,
+    read: KVRead,
 ) -> torch.Tensor:
     """Causal attention of the last ``q.shape[0]`` tokens of a ``seq_len`` context."""
     q_len = q.shape[0]
     block_size = key_cache.shape[1]
     table_row = table_row[None, : -(-seq_len // block_size)].to(torch.int64)
-    k = _gather(key_cache, table_row, seq_len)
-    v = _gather(value_cache, table_row, seq_len)
+    k = _gather(key_cache, table_row, seq_len, read, read.k_scale)
+    v = _gather(value_cache, table_row, seq_len, read, read.v_scale)
     context = seq_len - q_len
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
     gqa = qh.shape[1] != k.shape[1]
@@ -109,7 +142,10 @@ def paged_attention(
     cu_query_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    read = KVRead(query.dtype, k_scale, v_scale)
     lens = [int(x) for x in seq_lens.tolist()]
     cu = [int(x) for x in cu_query_lens.tolist()]
     decodes: list[int] = []
@@ -122,12 +158,14 @@ def paged_attention(
         else:
             q = query[cu[i] : cu[i + 1]]
             out[cu[i] : cu[i + 1]] = _prefill_one(
-                q, key_cache, value_cache, block_tables[i], seq_len, scale
+                q, key_cache, value_cache, block_tables[i], seq_len, scale, read
             )
     if decodes:
         rows = torch.tensor([cu[i] for i in decodes], device=query.device)
         result = torch.empty_like(query[rows])
-        _decode(query[rows], key_cache, value_cache, block_tables, lens, decodes, scale, result)
+        _decode(
+            query[rows], key_cache, value_cache, block_tables, lens, decodes, scale, result, read
+        )
         out[rows] = result
     return out
 
@@ -141,6 +179,7 @@ def _decode(
     seqs: list[int],
     scale: float,
     result: torch.Tensor,
+    read: KVRead,
 ) -> torch.Tensor:
     """Decode attention for sequences ``seqs`` (query row j belongs to ``seqs[j]``), written
     into ``result`` (row j likewise)."""
@@ -160,6 +199,7 @@ def _decode(
             block_tables[torch.tensor(group, device=block_tables.device)],
             [lens[s] for s in group],
             scale,
+            read,
         )
         if identity:
             result.copy_(out_rows)
@@ -176,7 +216,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lens = [int(x) for x in seq_lens.tolist()]
     seqs = list(range(len(lens)))
-    return _decode(query, key_cache, value_cache, block_tables, lens, seqs, scale, out)
+    read = KVRead(query.dtype, k_scale, v_scale)
+    return _decode(query, key_cache, value_cache, block_tables, lens, seqs, scale, out, read)

@@ -67,6 +67,7 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update with one tile of TILE_N keys starting at context position ``start``.
 
@@ -75,6 +76,9 @@ def _attend_tile(
     Unmasked tiles skip every comparison (the common case in long contexts).
     IEEE: fp32 inputs; dots in 3xTF32 (fp32-accurate) rather than plain tf32.
     UPCAST: interpreter with bfloat16 inputs (see below).
+    KV_FP8: the caches hold fp8 e4m3; each tile is converted to the query's dtype in registers
+    (exact: every e4m3 value is a float16/bfloat16/float32 value). The scales are not applied
+    here: the caller folds k_scale into the score scale and v_scale into the output.
     """
     pos = start + tl.arange(0, TILE_N)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -98,6 +102,8 @@ def _attend_tile(
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
 
     # UPCAST: the interpreter's dot cannot multiply bfloat16 (numpy has no such type and it
     # would multiply the raw bits), so there the operands go to fp32 first.
@@ -124,6 +130,8 @@ def _attend_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
     p = p.to(v.dtype)
     acc = acc * alpha[:, None]
     if UPCAST:
@@ -135,8 +143,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-# per-batch metadata: never specialized on (see the module docstring)
-_BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq"]
+# per-batch metadata: never specialized on (see the module docstring); the fp8 scales are
+# per-layer tensors whose addresses may or may not be 16-byte aligned
+_BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr", "v_scale_ptr"]
 
 
 @triton.jit(do_not_specialize=["partition_size", *_BATCH_ARGS])
@@ -149,6 +158,8 @@ def decode_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     partition_size,
     stride_q_seq,
@@ -176,6 +187,7 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
 
@@ -184,6 +196,7 @@ def decode_kernel(
     SPLIT=False (one split): writes the normalised output directly.
     SPLIT=True: writes the partial output and its log2-sum-exp for ``decode_reduce_kernel``.
     A sequence of length 0 (batch padding) gets zeros.
+    KV_FP8: scores are scaled by k_scale too, and the output by v_scale.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -210,6 +223,8 @@ def decode_kernel(
     k_head_off = kv_head.to(tl.int64) * stride_kc_head
     v_head_off = kv_head.to(tl.int64) * stride_vc_head
     row_pos = tl.full([BLOCK_G], 0, tl.int32)  # unused: decode is not causal within a tile
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     # Whole tiles first (no masks), then at most one ragged tile.
     full_end = start + ((end - start) // TILE_N) * TILE_N
@@ -218,18 +233,20 @@ def decode_kernel(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             tile_start, end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST, KV_FP8,
         )  # fmt: skip
     if full_end < end:
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             full_end, end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST, KV_FP8,
         )  # fmt: skip
 
     store_mask = g_mask[:, None] & d_mask[None, :]
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     result = acc / l_safe[:, None]
     if SPLIT:
         po = (
@@ -314,6 +331,8 @@ def prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     cu_q_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     num_seqs,
     stride_q_tok,
@@ -336,6 +355,7 @@ def prefill_kernel(
     TILE_N: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Causal attention for a packed, mixed batch of query chunks. Grid: (q blocks, kv heads).
 
@@ -390,6 +410,8 @@ def prefill_kernel(
     bt_row = block_tables_ptr + seq * stride_bt_seq
     k_head_off = kv_head.to(tl.int64) * stride_kc_head
     v_head_off = kv_head.to(tl.int64) * stride_vc_head
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     kv_end = context + last_tok + 1
     # Keys 0..context+first_tok are visible to every row: whole tiles there need no mask.
@@ -399,16 +421,18 @@ def prefill_kernel(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             tile_start, kv_end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, True, IEEE, UPCAST,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, True, IEEE, UPCAST, KV_FP8,
         )  # fmt: skip
     for tile_start in range(free_end, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             tile_start, kv_end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, True, IEEE, UPCAST,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, True, IEEE, UPCAST, KV_FP8,
         )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     result = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedattn_kernels.common import is_interpreted, kernels_for, next_power_of_2
+from pagedattn_kernels.common import (
+    FP8_DTYPE,
+    is_interpreted,
+    kernels_for,
+    next_power_of_2,
+    scale_or_unit,
+)
 
 KERNELS = "pagedattn_kernels.attention.triton_kernels"
 
@@ -52,13 +58,22 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, interpreted: bool = False) -> DecodeConfig:
+def decode_config(
+    head_dim: int, dtype: torch.dtype, interpreted: bool = False, kv_dtype: torch.dtype | None = None
+) -> DecodeConfig:
     """Wide key tiles (32 KB of K per step in 16-bit types), two pipeline stages: measured on
     an H200 (bench sweeps) at 96% of copy bandwidth for batch 64 x 4k context, against 71% for
-    64-token tiles with three stages. Two such programs fit per SM (~250 registers/thread)."""
+    64-token tiles with three stages. Two such programs fit per SM (~250 registers/thread).
+
+    fp8 caches (``kv_dtype``): the same 128-token tiles hold half the bytes, so a third
+    pipeline stage keeps as many bytes in flight (3 x 32 KB of K and V per program).
+    Not yet measured on an H200: `python -m pagedkv.bench.kernels --fp8` sweeps it against
+    other tiles (`sweep_decode_fp8[]`)."""
     if interpreted:  # the interpreter pays per operation: few, wide tiles
         return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
     dpad = padded_head_dim(head_dim)
+    if kv_dtype == FP8_DTYPE and dtype.itemsize == 2:
+        return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=3)
     if dtype.itemsize == 4:  # fp32: tf32x3 dots hold split operands in registers: small tiles
         return DecodeConfig(tile_n=32 if dpad <= 128 else 16, num_warps=4, num_stages=2)
     return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=2)
@@ -136,6 +151,8 @@ def paged_decode_attention(
     out: torch.Tensor,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -143,7 +160,10 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
     kernels = kernels_for(query.device, KERNELS)
-    cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel))
+    fp8 = key_cache.dtype == FP8_DTYPE
+    cfg = config or decode_config(
+        head_dim, query.dtype, is_interpreted(kernels.decode_kernel), key_cache.dtype
+    )
     dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
@@ -164,6 +184,7 @@ def paged_decode_attention(
         partition = 1 << 30  # one program covers any context
     kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
+        scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
         scale * 1.4426950408889634, partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -173,7 +194,7 @@ def paged_decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
-        SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast,
+        SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
@@ -198,6 +219,8 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     config: PrefillConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -211,6 +234,7 @@ def paged_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens,
+        scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
         scale * 1.4426950408889634, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -219,6 +243,6 @@ def paged_attention(
         QUERIES_PER_KV=qpk, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernel, query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=key_cache.dtype == FP8_DTYPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -21,7 +21,14 @@ from pagedattn_kernels.cache.checks import (
     check_swap_blocks,
 )
 from pagedattn_kernels.cache.torch_impl import swap_stream
-from pagedattn_kernels.common import check_unit_stride, resolve_backend
+from pagedattn_kernels.common import (
+    FP8_DTYPE,
+    as_bytes,
+    check_fp8_triton,
+    check_kv_scales,
+    check_unit_stride,
+    resolve_backend,
+)
 
 __all__ = ["copy_blocks", "reshape_and_cache", "swap_blocks", "swap_stream"]
 
@@ -33,19 +40,30 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
     """Write token i's K/V (``[num_tokens, num_kv_heads, head_dim]``) into slot
-    ``slot_mapping[i]`` (= block id * block_size + offset) of the caches; -1 skips the token."""
-    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    if resolve_backend(key_cache.device, backend) == "torch":
-        torch_impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        return
+    ``slot_mapping[i]`` (= block id * block_size + offset) of the caches; -1 skips the token.
+    fp8 caches store e4m3 of ``clamp(key / k_scale, -448, 448)`` (and likewise V), rounded to
+    nearest even; ``k_scale`` / ``v_scale``: float32 tensors of one element (None = 1.0)."""
     op = "reshape_and_cache"
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    check_kv_scales(op, key_cache, k_scale, v_scale)
+    if resolve_backend(key_cache.device, backend) == "torch":
+        torch_impl.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        )
+        return
     check_unit_stride(op, key_cache=key_cache, value_cache=value_cache)
+    if key_cache.dtype == FP8_DTYPE:
+        check_fp8_triton(op, key_cache.device)
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    triton_launch.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    triton_launch.reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+    )
 
 
 def copy_blocks(
@@ -57,6 +75,7 @@ def copy_blocks(
     and must not be sources (true of copy-on-write); otherwise the result is undefined.
     """
     check_copy_blocks(kv_cache, block_mapping)
+    kv_cache = as_bytes(kv_cache)  # a copy moves bytes; fp8 is not indexable everywhere
     mapping = block_mapping.to(device=kv_cache.device, dtype=torch.int64)
     if resolve_backend(kv_cache.device, backend) == "torch":
         torch_impl.copy_blocks(kv_cache, mapping[:, 0], mapping[:, 1])
@@ -85,4 +104,4 @@ def swap_blocks(
     """
     block_mapping = check_swap_blocks(src_cache, dst_cache, block_mapping)
     pairs = [(int(s), int(d)) for s, d in block_mapping.tolist()]
-    torch_impl.swap_blocks(src_cache, dst_cache, pairs, stream)
+    torch_impl.swap_blocks(as_bytes(src_cache), as_bytes(dst_cache), pairs, stream)

@@ -30,6 +30,7 @@ import functools
 import torch
 
 from pagedattn_kernels.cache.checks import block_rows
+from pagedattn_kernels.common import FP8_DTYPE, FP8_MAX
 
 
 def reshape_and_cache(
@@ -38,6 +39,8 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
     keep = slots >= 0
@@ -48,8 +51,22 @@ def reshape_and_cache(
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     # Index assignment writes into the caches whatever their strides.
+    if key_cache.dtype == FP8_DTYPE:
+        key_cache.view(torch.uint8)[blocks, offsets] = quantize_fp8(key, k_scale).view(torch.uint8)
+        value_cache.view(torch.uint8)[blocks, offsets] = quantize_fp8(value, v_scale).view(
+            torch.uint8
+        )
+        return
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """e4m3 of ``clamp(x / scale, -448, 448)`` in float32 (round to nearest even)."""
+    y = x.to(torch.float32)
+    if scale is not None:
+        y = y / scale
+    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -5,6 +5,13 @@
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a unit stride on the
 head dim (``copy_blocks_kernel`` sees every layer's blocks as ``[layers, num_blocks, elems]``).
 
+fp8 caches (``KV_FP8``): each K (V) element is stored as e4m3 of ``clamp(x / k_scale, -448,
+448)`` (IEEE division, round to nearest even), as the torch path and torch's own cast do.
+Compiled, the cast is the hardware's (``cvt.rn.satfinite``); Triton's interpreter casts fp32 to
+fp8 without carrying a mantissa round-up into the exponent (7.97 becomes 4.0), so there
+(``EXACT_CAST=False``) the value is first rounded onto the e4m3 grid in integer and fp32
+arithmetic, after which its cast is exact (:func:`_e4m3_grid`).
+
 Like every kernel module here, this file is loaded twice when both compiled and interpreted
 kernels are needed (``pagedattn_kernels.common.load_kernels``): it must stay free of import-time
 side effects and call only Triton builtins (see ``attention/triton_kernels.py`` for why).
@@ -17,12 +24,37 @@ import triton.language as tl
 
 
 @triton.jit
+def _e4m3_grid(y):
+    """fp32 ``y`` (already within +-448) rounded to the nearest e4m3 value, ties to even: 3
+    mantissa bits for normal values (|y| >= 2^-6: add half an ulp plus the tie bit, clear the
+    20 dropped bits; a carry moves into the exponent as it should), multiples of 2^-9 below
+    (subnormals: adding and taking away 1.5 * 2^14 rounds there in fp32's own RTNE)."""
+    bits = y.to(tl.int32, bitcast=True)
+    up = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000
+    normal = up.to(tl.float32, bitcast=True)
+    subnormal = (y + 24576.0) - 24576.0
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _to_fp8(x, scale, EXACT_CAST: tl.constexpr):
+    """e4m3 of ``clamp(x / scale, -448, 448)`` (see the module docstring)."""
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if not EXACT_CAST:
+        y = _e4m3_grid(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit(do_not_specialize=["k_scale_ptr", "v_scale_ptr"])
 def reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
     key_cache_ptr,
     value_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_k_tok,
     stride_k_head,
     stride_v_tok,
@@ -38,8 +70,11 @@ def reshape_and_cache_kernel(
     BLOCK_HEADS: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
 ):
-    """One program per token: copy its K and V (all KV heads) into its slot; slot < 0 skips."""
+    """One program per token: copy its K and V (all KV heads) into its slot; slot < 0 skips.
+    KV_FP8: quantized to e4m3 with the scales on the way."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -51,6 +86,9 @@ def reshape_and_cache_kernel(
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
+    if KV_FP8:
+        k = _to_fp8(k, tl.load(k_scale_ptr), EXACT_CAST)
+        v = _to_fp8(v, tl.load(v_scale_ptr), EXACT_CAST)
     kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
     vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
     tl.store(kc + h[:, None] * stride_kc_head + d[None, :], k, mask=mask)

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import kernels_for, next_power_of_2
+from pagedattn_kernels.common import (
+    FP8_DTYPE,
+    is_interpreted,
+    kernels_for,
+    next_power_of_2,
+    scale_or_unit,
+)
 
 KERNELS = "pagedattn_kernels.cache.triton_kernels"
 
@@ -20,19 +26,23 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    kernels = kernels_for(key.device, KERNELS)
-    kernels.reshape_and_cache_kernel[(num_tokens,)](
+    kernel = kernels_for(key.device, KERNELS).reshape_and_cache_kernel
+    kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
+        scale_or_unit(k_scale, key.device), scale_or_unit(v_scale, key.device),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_SIZE=key_cache.shape[1], num_warps=4,
+        BLOCK_SIZE=key_cache.shape[1], KV_FP8=key_cache.dtype == FP8_DTYPE,
+        EXACT_CAST=not is_interpreted(kernel), num_warps=4,
     )  # fmt: skip
 
 

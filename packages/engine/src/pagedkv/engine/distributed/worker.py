@@ -154,6 +154,7 @@ def build_rank_runner(
         dtype=model_config.dtype,
         seed=args.seed,
         tp=ctx.tp,
+        quantization=args.quantization,
     )
     runner = RankRunner(
         ctx, rank_model_config(model_config, ctx.world_size), args, ctx.device, model=model

@@ -14,6 +14,10 @@
 At size 1 every layer is a plain ``nn.Linear`` / ``nn.Embedding`` with the same parameter names
 and runs exactly the same operations as one.
 
+The two linear layers are the ones ``--quantization fp8`` quantizes (``quantizable``; see
+``pagedkv.engine.models.quantization``): they hold a ``weight_scale`` buffer, None until then,
+and multiply through ``fp8_linear`` once it is set.
+
 Each layer loads its parameters with ``load_shard(leaf, source, shard)``: ``source`` is the full
 checkpoint tensor (a ``torch.Tensor``, or a lazy safetensors slice with ``shape`` and
 ``narrow``), and only this rank's slice of it is read and copied, so no rank ever holds another
@@ -37,6 +41,7 @@ from pagedkv.engine.distributed.communication import (
     tp_rank_size,
 )
 from pagedkv.engine.models.layers import copy_weight
+from pagedkv.engine.models.quantization import fp8_linear
 
 
 def materialize(source: Any) -> torch.Tensor:
@@ -64,6 +69,8 @@ def divide(total: int, size: int, what: str) -> int:
 class ColumnParallelLinear(nn.Linear):
     """``y = x Wᵀ + b`` with the output features (of each fused part) split over the ranks."""
 
+    quantizable = True
+
     def __init__(
         self,
         in_features: int,
@@ -79,6 +86,12 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, sum(self.local_sizes), bias=bias)
         self.tp = tp
         self.tp_rank, self.tp_size = rank, size
+        self.register_buffer("weight_scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
     def full_shape(self, leaf: str) -> tuple[int, ...]:
         total = sum(self.output_sizes)
@@ -112,6 +125,8 @@ class ColumnParallelLinear(nn.Linear):
 class RowParallelLinear(nn.Linear):
     """``y = x Wᵀ + b`` with the input features split over the ranks, then an all-reduce."""
 
+    quantizable = True
+
     def __init__(
         self,
         in_features: int,
@@ -126,11 +141,17 @@ class RowParallelLinear(nn.Linear):
         super().__init__(divide(in_features, size, what), out_features, bias=bias)
         self.tp = tp
         self.tp_rank, self.tp_size = rank, size
+        self.register_buffer("weight_scale", None)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+            return self._matmul(x, self.bias)
+        y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp)
 
     def full_shape(self, leaf: str) -> tuple[int, ...]:

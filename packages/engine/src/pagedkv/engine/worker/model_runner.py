@@ -17,6 +17,8 @@ token reads that token on the device from the step launched before.
 
 All layers' caches live in one tensor ``kv_cache[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]``, so that one kernel launch copies or swaps a block in every layer.
+Its dtype is the model's, or e4m3 with ``--kv-cache-dtype fp8`` (one byte per element: twice
+the blocks of a bf16 cache in the same memory; the attention layers hold the scales).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch
 
 from pagedattn_kernels import copy_blocks, swap_blocks
 from pagedkv.engine.arg_utils import EngineArgs
-from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.config import ModelConfig, kv_cache_dtype
 from pagedkv.engine.model_loader import load_model
+from pagedkv.engine.models.quantization import is_quantized, quantization_of
 from pagedkv.engine.outputs import PositionLogprobs, RunnerOutput
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, step_batch
@@ -138,6 +141,7 @@ class ModelRunner:
         self.args = args
         self.device = device
         self.dtype = model_config.dtype
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.block_size = args.block_size
         self.max_model_len = model_config.max_model_len
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(2048, self.max_model_len)
@@ -156,9 +160,14 @@ class ModelRunner:
         self.eager_passes = 0
 
         torch.manual_seed(args.seed)
+        if model is not None and is_quantized(model) != (args.quantization == "fp8"):
+            raise ValueError(
+                f"the model given was loaded with quantization={quantization_of(model)!r} but "
+                f"the engine asks for {args.quantization!r}; load it with the engine's option"
+            )
         self.model = model if model is not None else load_model(
             model_config, load_format=args.load_format, device=device, dtype=self.dtype,
-            seed=args.seed,
+            seed=args.seed, quantization=args.quantization,
         )
         self.sampler = BatchSampler(device, sorted(model_config.eos_token_ids), args.seed,
                                     model_config.vocab_size)
@@ -183,7 +192,7 @@ class ModelRunner:
     # ---- sizing -------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> None:
         c = self.config
-        self.block_bytes = c.kv_bytes_per_token(self.dtype) * self.block_size
+        self.block_bytes = c.kv_bytes_per_token(self.kv_dtype) * self.block_size
         args = self.args
         self.num_gpu_blocks = args.num_gpu_blocks_override or self._num_blocks_that_fit()
         if self.num_gpu_blocks < 1:
@@ -196,14 +205,16 @@ class ModelRunner:
         else:
             self.num_cpu_blocks = int(args.swap_space * _GB // self.block_bytes)
         shape = (c.num_layers, 2, self.num_gpu_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         swap_shape = (shape[0], 2, self.num_cpu_blocks, *shape[3:])
         pin = self.device.type == "cuda"
-        self.swap_cache = torch.empty(swap_shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+        self.swap_cache = torch.empty(swap_shape, dtype=self.kv_dtype, device="cpu",
+                                      pin_memory=pin)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GB) on %s, %d swap blocks (%.2f GB) on the host",
-            self.num_gpu_blocks, self.block_size, self.num_gpu_blocks * self.block_bytes / _GB,
+            "KV cache: %d blocks of %d tokens (%.2f GB, %s) on %s, %d swap blocks (%.2f GB) on "
+            "the host", self.num_gpu_blocks, self.block_size,
+            self.num_gpu_blocks * self.block_bytes / _GB, str(self.kv_dtype).removeprefix("torch."),
             self.device, self.num_cpu_blocks, self.num_cpu_blocks * self.block_bytes / _GB,
         )
 
@@ -227,7 +238,7 @@ class ModelRunner:
         per_seq = math.ceil(seq_len / self.block_size)
         c = self.config
         tmp = torch.zeros((c.num_layers, 2, num_seqs * per_seq, self.block_size, c.num_kv_heads,
-                           c.head_dim), dtype=self.dtype, device=self.device)
+                           c.head_dim), dtype=self.kv_dtype, device=self.device)
         caches = [(tmp[i, 0], tmp[i, 1]) for i in range(c.num_layers)]
         batch = StepBatch(
             token_ids=[[i % c.vocab_size for i in range(seq_len)] for _ in range(num_seqs)],

@@ -1,0 +1,313 @@
+"""The fp8 rows of the kernel benchmark (``python -m pagedkv.bench.kernels --fp8``).
+
+- ``decode_fp8``: paged decode attention reading an fp8 e4m3 KV cache (``--kv-cache-dtype
+  fp8``): achieved bandwidth counted in the bytes it reads (one per K/V element), its fraction
+  of the copy bandwidth, and its speed against the same kernel on the 16-bit cache holding the
+  same values (``vs_16bit``, events and CUDA-graph replay, which is how the engine decodes);
+  ``rel_err_vs_16bit``: its output against the 16-bit kernel's on those values (the kernels
+  dequantize exactly, so only rounding differs).
+- ``prefill_fp8``: the prefill kernel on an fp8 cache, TFLOP/s against the 16-bit kernel and
+  against SDPA (the SDPA time of the same run's ``prefill`` row).
+- ``gemm``: the linear layers of one Llama-3-8B decoder layer (Q/K/V 6144x4096, output
+  4096x4096, gate/up 28672x4096, down 4096x14336) at M tokens (a decode step of M sequences):
+  ``F.linear`` in the model dtype against the engine's fp8 path (``fp8_linear``: per-token
+  activation quantization, then ``torch._scaled_mm`` with per-channel weight scales on Hopper),
+  and the scaled matmul alone; ``gemm_layer`` sums each M's four. The issue's goal is the layer
+  sum at M = 512 (``gemm_fp8_vs_16bit_m512`` >= 1.6).
+On the CPU (``--quick``) the same code runs tiny shapes through the torch paths (the fp8
+matmul there is the dequantizing fallback): a smoke run, not a measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import pagedattn_kernels as pk
+from pagedkv.bench.kernels import (
+    Setup,
+    _fits,
+    _paged,
+    _time,
+    _time_graph,
+    rel_error,
+)
+
+FP8 = torch.float8_e4m3fn
+#: (name, out_features, in_features) of Llama-3-8B's linear layers (the fused ones as the engine
+#: runs them).
+LLAMA3_8B_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                     ("down", 4096, 14336)]  # fmt: skip
+QUICK_LINEARS = [("qkv", 384, 256), ("o", 256, 256), ("gate_up", 1024, 256), ("down", 256, 512)]
+GEMM_TOKENS = [64, 256, 512, 1024]
+FP8_CONTEXTS = [2048, 4096, 8192, 32768]
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+def bench_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict]:
+    rows: list[dict] = []
+    contexts = setup.contexts if setup.quick else FP8_CONTEXTS
+    for batch in setup.batches:
+        for context in contexts:
+            kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim  # one byte each
+            # the fp8 cache, the 16-bit one (twice its bytes) and a 16-bit conversion scratch
+            if not _fits(setup, 4 * kv_bytes):
+                rows.append({"batch": batch, "context": context, "skipped": "memory"})
+                continue
+            row = decode_fp8_row(setup, batch, context, kv_bytes, copy_bw, gen)
+            rows.append(row)
+            graph = ""
+            if "graph_us" in row:
+                graph = (f" | graph {row['graph_us']:8.1f} us {100 * row['graph_bw_frac']:5.1f}%"
+                         f" x{row.get('graph_vs_16bit', float('nan')):.2f}")
+            print(f"decode fp8 B={batch:<4d} ctx={context:<6d} {row['us']:9.1f} us "
+                  f"{100 * row['bw_frac']:5.1f}% of copy  16-bit {row['us_16bit']:9.1f} us "
+                  f"x{row['vs_16bit']:.2f} err {row['rel_err_vs_16bit']:.1e}{graph}", flush=True)
+            if setup.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def decode_fp8_row(setup: Setup, batch: int, context: int, kv_bytes: int, copy_bw: float,
+                   gen: torch.Generator) -> dict[str, Any]:  # fmt: skip
+    kc16, vc16, tables = _paged(setup, batch, context, gen)
+    kc8, vc8 = kc16.to(FP8), vc16.to(FP8)
+    # The 16-bit cache holds exactly the fp8 values: both kernels attend over the same numbers.
+    kc16.copy_(kc8.to(setup.dtype))
+    vc16.copy_(vc8.to(setup.dtype))
+    scale = _unit(setup.device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=setup.device)
+    q = torch.randn(batch, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+    q = q.to(setup.dtype)
+    out8, out16 = torch.empty_like(q), torch.empty_like(q)
+
+    def fp8() -> torch.Tensor:
+        return pk.paged_decode_attention(q, kc8, vc8, tables, lens, max_seq_len=context,
+                                         out=out8, k_scale=scale, v_scale=scale)  # fmt: skip
+
+    def b16() -> torch.Tensor:
+        return pk.paged_decode_attention(q, kc16, vc16, tables, lens, max_seq_len=context,
+                                         out=out16)  # fmt: skip
+
+    fp8()
+    b16()
+    err = rel_error(out8, out16.double())
+    seconds, seconds16 = _time(fp8, setup.device), _time(b16, setup.device)
+    row: dict[str, Any] = {
+        "batch": batch, "context": context, "us": seconds * 1e6,
+        "GBps": kv_bytes / seconds / 1e9, "bw_frac": kv_bytes / seconds / copy_bw,
+        "us_16bit": seconds16 * 1e6, "vs_16bit": seconds16 / seconds, "rel_err_vs_16bit": err,
+    }  # fmt: skip
+    graph_s = _time_graph(fp8, setup.device)
+    if graph_s is not None:
+        row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
+        graph16 = _time_graph(b16, setup.device)
+        if graph16 is not None:
+            row.update(graph_us_16bit=graph16 * 1e6, graph_vs_16bit=graph16 / graph_s)
+    return row
+
+
+def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
+                     deadline: float) -> list[dict]:  # fmt: skip
+    """Tile shapes of the decode kernel on an fp8 cache at 64 sequences x 4k and 16 x 8k (the
+    automatic split count): how ``decode_config``'s fp8 choice was (and is to be) made."""
+    import time
+
+    from pagedkv.bench.kernels import _tuning
+
+    to = _tuning()
+    configs = [to.decode_config(setup.head_dim, setup.dtype, kv_dtype=FP8),
+               to.DecodeConfig(128, 4, 2), to.DecodeConfig(256, 4, 2), to.DecodeConfig(256, 8, 3),
+               to.DecodeConfig(64, 4, 4)]  # fmt: skip
+    rows: list[dict] = []
+    scale = _unit(setup.device)
+    for batch, context in ((64, 4096), (16, 8192)):
+        kc, vc, tables = _paged(setup, batch, context, gen)
+        kc, vc = kc.to(FP8), vc.to(FP8)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=setup.device)
+        q = torch.randn(batch, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+        q = q.to(setup.dtype)
+        out = torch.empty_like(q)
+        kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim
+        for cfg in configs:
+            if time.monotonic() > deadline:
+                return rows
+
+            def run(cfg=cfg, kc=kc, vc=vc, tables=tables, lens=lens, q=q, out=out,
+                    context=context) -> torch.Tensor:  # fmt: skip
+                return to.paged_decode_attention(q, kc, vc, tables, lens, setup.head_dim**-0.5,
+                                                 context, out, config=cfg, k_scale=scale,
+                                                 v_scale=scale)  # fmt: skip
+
+            row: dict[str, Any] = {"batch": batch, "context": context,
+                                   "config": {"tile_n": cfg.tile_n, "num_warps": cfg.num_warps,
+                                              "num_stages": cfg.num_stages}}  # fmt: skip
+            try:
+                run()
+                seconds = _time(run, setup.device)
+                graph_s = _time_graph(run, setup.device)
+            except Exception as exc:  # a tile shape that does not compile or fit
+                rows.append({**row, "error": repr(exc)[:200]})
+                continue
+            row.update(us=seconds * 1e6, bw_frac=kv_bytes / seconds / copy_bw)
+            if graph_s is not None:
+                row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
+            rows.append(row)
+            print(f"sweep decode fp8 B={batch} ctx={context} {row['config']}: "
+                  f"{seconds * 1e6:.1f} us {100 * row['bw_frac']:.1f}% of copy"
+                  + (f" | graph {100 * row['graph_bw_frac']:.1f}%" if graph_s else ""),
+                  flush=True)  # fmt: skip
+        del kc, vc
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill_fp8(setup: Setup, gen: torch.Generator, prefill: list[dict]) -> list[dict]:
+    """``prefill``: the same run's 16-bit prefill rows (their SDPA time is the baseline)."""
+    sdpa_us = {r["tokens"]: r.get("sdpa_us") for r in prefill}
+    rows = []
+    for tokens in setup.prefill_tokens:
+        kc16, vc16, tables = _paged(setup, 1, tokens, gen)
+        kc8, vc8 = kc16.to(FP8), vc16.to(FP8)
+        kc16.copy_(kc8.to(setup.dtype))
+        vc16.copy_(vc8.to(setup.dtype))
+        q = torch.randn(tokens, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+        q = q.to(setup.dtype)
+        lens = torch.tensor([tokens], dtype=torch.int32, device=setup.device)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=setup.device)
+        out8, out16 = torch.empty_like(q), torch.empty_like(q)
+        scale = _unit(setup.device)
+
+        def fp8(kc8=kc8, vc8=vc8, tables=tables, q=q, lens=lens, cu=cu, out8=out8, scale=scale,
+                tokens=tokens) -> torch.Tensor:  # fmt: skip
+            return pk.paged_attention(q, kc8, vc8, tables, lens, cu, max_query_len=tokens,
+                                      max_seq_len=tokens, out=out8, k_scale=scale,
+                                      v_scale=scale)  # fmt: skip
+
+        def b16(kc16=kc16, vc16=vc16, tables=tables, q=q, lens=lens, cu=cu, out16=out16,
+                tokens=tokens) -> torch.Tensor:  # fmt: skip
+            return pk.paged_attention(q, kc16, vc16, tables, lens, cu, max_query_len=tokens,
+                                      max_seq_len=tokens, out=out16)  # fmt: skip
+
+        fp8()
+        b16()
+        err = rel_error(out8, out16.double())
+        seconds, seconds16 = _time(fp8, setup.device), _time(b16, setup.device)
+        flops = 4 * setup.heads * setup.head_dim * tokens * tokens / 2
+        row: dict[str, Any] = {
+            "tokens": tokens, "us": seconds * 1e6, "tflops": flops / seconds / 1e12,
+            "us_16bit": seconds16 * 1e6, "vs_16bit": seconds16 / seconds,
+            "rel_err_vs_16bit": err,
+        }  # fmt: skip
+        if sdpa_us.get(tokens):
+            row["vs_sdpa"] = sdpa_us[tokens] / 1e6 / seconds
+        rows.append(row)
+        print(f"prefill fp8 N={tokens:<6d} {row['us']:10.1f} us {row['tflops']:7.1f} TFLOP/s  "
+              f"16-bit x{row['vs_16bit']:.2f}"
+              + (f"  SDPA x{row['vs_sdpa']:.2f}" if "vs_sdpa" in row else "")
+              + f"  err {err:.1e}", flush=True)  # fmt: skip
+        del kc16, vc16, kc8, vc8
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_gemm(setup: Setup, gen: torch.Generator) -> tuple[list[dict], list[dict]]:
+    """Per (M, linear layer) rows, and per M the sum over the layer's four."""
+    from pagedkv.engine.models.quantization import fp8_linear, quantize_weight, uses_scaled_mm
+
+    dev, dtype = setup.device, setup.dtype
+    shapes = QUICK_LINEARS if setup.quick else LLAMA3_8B_LINEARS
+    tokens_list = [16, 64] if setup.quick else GEMM_TOKENS
+    rows: list[dict] = []
+    for name, n, k in shapes:
+        w = (torch.randn(n, k, generator=gen, device=dev) * k**-0.5).to(dtype)
+        wq, ws = quantize_weight(w)
+        for m in tokens_list:
+            x = torch.randn(m, k, generator=gen, device=dev).to(dtype)
+            xq, xs = pk.quantize_fp8_per_token(x)
+            scaled_mm = uses_scaled_mm(x, wq)
+
+            def b16(x=x, w=w) -> torch.Tensor:
+                return F.linear(x, w)
+
+            def fp8(x=x, wq=wq, ws=ws) -> torch.Tensor:
+                return fp8_linear(x, wq, ws)
+
+            def quant(x=x) -> Any:
+                return pk.quantize_fp8_per_token(x)
+
+            def gemm_only(xq=xq, xs=xs, wq=wq, ws=ws) -> torch.Tensor:
+                return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                        out_dtype=torch.bfloat16)  # fmt: skip
+
+            err = rel_error(fp8(), b16().double())
+            row: dict[str, Any] = {
+                "m": m, "op": name, "n": n, "k": k,
+                "path": "torch._scaled_mm" if scaled_mm else "dequantizing fallback",
+                "us_16bit": _time(b16, dev) * 1e6, "us": _time(fp8, dev) * 1e6,
+                "quant_us": _time(quant, dev) * 1e6, "rel_err_vs_16bit": err,
+            }  # fmt: skip
+            if scaled_mm:
+                row["gemm_only_us"] = _time(gemm_only, dev) * 1e6
+            row["vs_16bit"] = row["us_16bit"] / row["us"]
+            g8, g16 = _time_graph(fp8, dev), _time_graph(b16, dev)
+            if g8 is not None and g16 is not None:
+                row.update(graph_us=g8 * 1e6, graph_us_16bit=g16 * 1e6, graph_vs_16bit=g16 / g8)
+            rows.append(row)
+            print(f"gemm {name:8s} M={m:<5d} {n}x{k}: 16-bit {row['us_16bit']:8.1f} us  fp8 "
+                  f"{row['us']:8.1f} us (quant {row['quant_us']:.1f}"
+                  + (f", matmul {row['gemm_only_us']:.1f}" if "gemm_only_us" in row else "")
+                  + f") x{row['vs_16bit']:.2f}"
+                  + (f" | graph x{row['graph_vs_16bit']:.2f}" if "graph_vs_16bit" in row else "")
+                  + f"  err {err:.1e}  [{row['path']}]", flush=True)  # fmt: skip
+        del w, wq
+    layer = []
+    for m in tokens_list:
+        ops = [r for r in rows if r["m"] == m]
+        total = {"m": m, "us_16bit": sum(r["us_16bit"] for r in ops),
+                 "us": sum(r["us"] for r in ops)}  # fmt: skip
+        total["vs_16bit"] = total["us_16bit"] / total["us"]
+        if all("gemm_only_us" in r for r in ops):
+            total["gemm_only_us"] = sum(r["gemm_only_us"] for r in ops)
+            total["gemm_only_vs_16bit"] = total["us_16bit"] / total["gemm_only_us"]
+        if all("graph_us" in r for r in ops):
+            g8 = sum(r["graph_us"] for r in ops)
+            g16 = sum(r["graph_us_16bit"] for r in ops)
+            total.update(graph_us=g8, graph_us_16bit=g16, graph_vs_16bit=g16 / g8)
+        layer.append(total)
+        print(f"gemm layer M={m:<5d}: 16-bit {total['us_16bit']:9.1f} us  fp8 {total['us']:9.1f} "
+              f"us  x{total['vs_16bit']:.2f}"
+              + (f" | graph x{total['graph_vs_16bit']:.2f}" if "graph_vs_16bit" in total else ""),
+              flush=True)  # fmt: skip
+    return rows, layer
+
+
+def fp8_headlines(decode: list[dict], prefill: list[dict], layer: list[dict]) -> dict[str, Any]:
+    """Flat keys for the fp8 goals: decode bandwidth fraction (fp8 bytes) at 64 x 4k, prefill
+    against SDPA at 4k and 16k, decode GEMMs at M = 512 against the 16-bit ones."""
+
+    def pick(rows: list[dict], key: str, **where: Any) -> Any:
+        for r in rows:
+            if all(r.get(a) == b for a, b in where.items()) and key in r:
+                return r[key]
+        return None
+
+    return {
+        "decode_fp8_bw_frac_b64_c4k": pick(decode, "bw_frac", batch=64, context=4096),
+        "decode_fp8_graph_bw_frac_b64_c4k": pick(decode, "graph_bw_frac", batch=64, context=4096),
+        "decode_fp8_vs_16bit_b64_c4k": pick(decode, "vs_16bit", batch=64, context=4096),
+        "decode_fp8_graph_vs_16bit_b64_c4k": pick(decode, "graph_vs_16bit", batch=64,
+                                                  context=4096),
+        "prefill_fp8_vs_sdpa_4k": pick(prefill, "vs_sdpa", tokens=4096),
+        "prefill_fp8_vs_sdpa_16k": pick(prefill, "vs_sdpa", tokens=16384),
+        "gemm_fp8_vs_16bit_m512": pick(layer, "vs_16bit", m=512),
+        "gemm_fp8_graph_vs_16bit_m512": pick(layer, "graph_vs_16bit", m=512),
+        "gemm_fp8_matmul_only_vs_16bit_m512": pick(layer, "gemm_only_vs_16bit", m=512),
+    }

@@ -1,0 +1,120 @@
+"""fp8 weights (``--quantization fp8``): W8A8 matmuls with e4m3 weights and activations.
+
+At load time every linear layer of the decoder stack (the tensor-parallel linear layers: Q/K/V,
+output, gate/up and down projections) has its weight quantized *per output channel*:
+``scale[n] = amax(|W[n, :]|) / 448`` and ``Wq[n, :] = e4m3(W[n, :] / scale[n])``, which halves
+the weight bytes a decode step reads (the embedding and the LM head keep the model dtype, as
+in vLLM). At run time each activation row (token) is quantized with its own *dynamic* scale
+(``pagedattn_kernels.quantize_fp8_per_token``), and the matmul is
+
+    y[t, n] = (sum_k xq[t, k] * Wq[n, k]) * x_scale[t] * w_scale[n]
+
+- on a GPU of compute capability 8.9+ (Ada, Hopper) by ``torch._scaled_mm`` with row-wise
+  scales: fp8 tensor cores, fp32 accumulation, the scales applied in the epilogue;
+- elsewhere (the CPU, older GPUs) by the same arithmetic in float32: the fp8 operands are
+  converted (exactly) and multiplied, then scaled. This is slow (each call converts the
+  weight), but it computes what the fp8 kernel computes, so the CPU can measure the accuracy
+  of fp8 weights (``python -m pagedkv.bench.fp8_accuracy``).
+
+Why per channel and per token: one scale per tensor lets a single outlier channel or token
+flatten the resolution of all others; per-row scales cost one float per row and nothing in the
+kernel's inner loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pagedattn_kernels
+
+FP8 = torch.float8_e4m3fn
+METHODS = ("fp8",)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``Wq [out, in]`` e4m3, ``scale [1, out]`` float32) with ``Wq * scale.T ~ weight``: one
+    scale per output channel (row), the same rule as the activations' per-token one. A weight
+    on the meta device gives meta tensors of those shapes and dtypes."""
+    if weight.is_meta:
+        return (torch.empty(weight.shape, dtype=FP8, device="meta"),
+                torch.empty((1, weight.shape[0]), dtype=torch.float32, device="meta"))
+    q, scale = pagedattn_kernels.quantize_fp8_per_token(weight.detach())
+    return q, scale.reshape(1, -1).contiguous()
+
+
+@functools.cache
+def _fp8_tensor_cores(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
+def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` runs ``torch._scaled_mm`` for these operands (a CUDA device
+    of compute capability 8.9+, both matrix dims multiples of 16) or the float32 fallback."""
+    if not x.is_cuda:
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _fp8_tensor_cores(index) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [..., in] @ dequant(weight [out, in]).T + bias`` in ``x.dtype``, with ``x`` quantized
+    per token on the way (see the module docstring)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    q, x_scale = pagedattn_kernels.quantize_fp8_per_token(x2)
+    if uses_scaled_mm(x2, weight):
+        # Row-wise scaling produces bfloat16 only; other model dtypes are cast after.
+        y = torch._scaled_mm(
+            q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=torch.bfloat16
+        )
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+    else:
+        y = F.linear(q.to(torch.float32), weight.to(torch.float32))
+        y = (y * x_scale * weight_scale).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantize, in place, every layer of ``model`` that declares ``quantizable = True`` (the
+    tensor-parallel linear layers, which hold a ``weight_scale`` buffer, None until then): its
+    ``weight`` becomes e4m3, ``weight_scale`` ``[1, out]`` float32, and its forward switches
+    to :func:`fp8_linear`. Returns how many
+    layers were quantized; a model with none raises ``ValueError`` (nothing changed)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
+    layers = [m for m in model.modules() if getattr(m, "quantizable", False)]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no linear layers that fp8 quantization supports; "
+            "run it without --quantization"
+        )
+    for layer in layers:
+        q, scale = quantize_weight(layer.weight)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = scale  # the layer registered a None buffer of that name
+    return len(layers)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether :func:`quantize_model` quantized ``model``."""
+    return quantization_of(model) is not None
+
+
+def quantization_of(model: nn.Module) -> str | None:
+    """"fp8" for a model quantized by :func:`quantize_model`, else None."""
+    for module in model.modules():
+        if getattr(module, "weight_scale", None) is not None:
+            return "fp8"
+    return None

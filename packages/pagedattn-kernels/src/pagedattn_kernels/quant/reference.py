@@ -1,0 +1,31 @@
+"""Float64-exact reference of the quantization op, written for obviousness: the scale from the
+row's largest magnitude, then each element to its nearest e4m3 value by search over the codes
+(``pagedattn_kernels.cache.reference.nearest_e4m3``), no cast involved."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedattn_kernels.cache.reference import nearest_e4m3
+
+__all__ = ["quantize_fp8_per_token"]
+
+_FP8_MAX = 448.0
+_MIN_SCALE = 1.0 / (448.0 * 512.0)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``[rows, cols]`` float8_e4m3fn, ``[rows, 1]`` float32 scales), one row at a time."""
+    rows = []
+    scales = []
+    for row in x:
+        amax = float(row.to(torch.float64).abs().max()) if row.numel() else 0.0
+        # The kernels divide in float32: amax is exact there, so is 448, the quotient rounds.
+        scale = torch.tensor(amax, dtype=torch.float32) / torch.tensor(_FP8_MAX)
+        scale = torch.maximum(scale, torch.tensor(_MIN_SCALE, dtype=torch.float32))
+        scales.append(scale.reshape(1))
+        rows.append(nearest_e4m3(row, scale))
+    if not rows:
+        return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty((0, 1), dtype=torch.float32, device=x.device))  # fmt: skip
+    return torch.stack(rows), torch.stack(scales).to(x.device)

@@ -1,0 +1,26 @@
+"""The torch path of the quantization ops (the CPU path, and a fallback anywhere).
+
+Inputs arrive checked (``ops`` checks them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedattn_kernels.common import FP8_DTYPE, FP8_MAX
+
+# Smallest scale: an all-zero row gets this instead of 0 (no division by zero), and no row's
+# scale is so small that x / scale loses its low bits to subnormals (vLLM's floor).
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def quantize_fp8_per_token(
+    x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scale = max(amax(|row|) / 448, MIN_SCALE)`` in float32, ``out = e4m3(clamp(row /
+    scale, -448, 448))``."""
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=-1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
+    torch.clamp(amax / FP8_MAX, min=MIN_SCALE, out=scale_out)
+    out.copy_((xf / scale_out).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+    return out, scale_out

@@ -1,0 +1,60 @@
+"""The Triton kernel of the quantization op (device code only; the launcher is in
+``triton_launch``): per-token fp8 quantization, one program per row.
+
+A program reads its row twice, a chunk at a time: once for the largest magnitude, once to
+divide and store (the second read comes from L2; a Llama-3-8B row is at most 28 KB). The
+division is IEEE (``div_rn``) and the cast rounds to nearest even, as the torch path does;
+under Triton's interpreter, whose fp32 -> fp8 cast drops a mantissa carry, the value is put
+on the e4m3 grid first (``pagedattn_kernels.cache.triton_kernels._e4m3_grid``'s arithmetic,
+repeated here because a kernel module holds its own helpers). Like every kernel module here,
+this file is loaded twice when both compiled and interpreted kernels are needed and calls only
+Triton builtins (see ``attention/triton_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e4m3_grid(y):
+    bits = y.to(tl.int32, bitcast=True)
+    up = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000
+    normal = up.to(tl.float32, bitcast=True)
+    subnormal = (y + 24576.0) - 24576.0
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+
+
+@triton.jit(do_not_specialize=["cols", "stride_x", "stride_o"])
+def quantize_fp8_per_token_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    cols,
+    stride_x,
+    stride_o,
+    min_scale,
+    BLOCK: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+):
+    """Grid: (rows,). ``scale = max(amax / 448, min_scale)``; ``out = e4m3(clamp(x / scale))``."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    o_row = out_ptr + row * stride_o
+    c = tl.arange(0, BLOCK)
+    amax = tl.full([BLOCK], 0.0, tl.float32)
+    for start in range(0, cols, BLOCK):
+        x = tl.load(x_row + start + c, mask=start + c < cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(
+        tl.math.div_rn(tl.reduce(amax, 0, tl.standard._elementwise_max), 448.0), min_scale
+    )
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, cols, BLOCK):
+        mask = start + c < cols
+        x = tl.load(x_row + start + c, mask=mask, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        if not EXACT_CAST:
+            y = _e4m3_grid(y)
+        tl.store(o_row + start + c, y.to(tl.float8e4nv), mask=mask)

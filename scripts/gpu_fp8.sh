@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Issue 20 on one H200: fp8 KV cache and fp8 weights, measured. Parts, each within one device
+# call of 10 minutes (run from the repository root; results and logs under $OUT):
+#
+#   bash scripts/gpu_fp8.sh tests kernels      # ~5 min
+#     tests    the `gpu` tests of the fp8 code (kernels on fp8 caches compiled, _scaled_mm
+#              against the fallback, the engine with both options and CUDA graphs, fp8 swaps)
+#     kernels  `python -m pagedkv.bench.kernels --fp8`: the whole kernel benchmark (decode rows,
+#              prefill rows `prefill[].tokens` / `prefill[].vs_sdpa` at 1k/4k/16k, fused ops,
+#              split and tile sweeps, prefill tiles at 4k and 16k) plus decode and prefill on
+#              an fp8 cache (`decode_fp8[]`, bandwidth in fp8 bytes) and the decode GEMMs of a
+#              Llama-3-8B layer, fp8 against bf16 at 64-1,024 tokens (`gemm_layer[]`,
+#              `gemm_fp8_vs_16bit_m512`)                                 -> kernels.json
+#   bash scripts/gpu_fp8.sh bf16               # ~6 min, carrying .gpu_data
+#   bash scripts/gpu_fp8.sh fp8                # ~2 min, carrying .gpu_data
+#     Llama-3-8B shape (random bf16 weights), 1,000 requests of the real ShareGPT V3 when
+#     .gpu_data/sharegpt_1000.json is carried, else the ShareGPT-like lengths; bf16 with
+#     the transformers baselines in the same run (as scripts/gpu_bench_throughput.sh), then
+#     --kv-cache-dtype fp8 --quantization fp8 on the same requests (BASELINES_FP8=1: with the
+#     baselines too)      -> throughput_llama3_8b_sharegpt_real.json, ..._real_fp8.json
+#     (`..._sharegpt_like*.json` without the file)
+#   bash scripts/gpu_fp8.sh accuracy           # ~1 min, with the embedded model joined
+#     `python -m pagedkv.bench.fp8_accuracy` in bf16 on the GPU: greedy agreement of fp8 KV,
+#     fp8 weights and both with bf16, 64 prompts x 64 tokens -> fp8_accuracy_smollm2_bf16.json
+#
+# Prepare on a CPU machine first (the GPU machine has neither the dataset nor the tokenizer):
+#   python -m pagedkv.bench.paper_gpu prepare --num-prompts 1000 \
+#       --output-json .gpu_data/sharegpt_1000.json            # the same 1,000 as --dataset sharegpt
+#   python -m pagedkv.bench.fp8_accuracy --num-prompts 64 --max-tokens 1 --variants control \
+#       --save-prompts .gpu_data/fp8_prompts.json              # the prompts' token ids
+#   git rev-parse --short HEAD > .gpu_commit
+# and for `accuracy` the embedded GGUF in parts, as scripts/gpu_notebooks.sh describes
+# (`bash scripts/fetch_notebook_wheels.sh`, then calls `bash scripts/gpu_notebooks.sh receive`
+# carrying .nbgguf/1, .nbgguf/2, ... just before `bash scripts/gpu_fp8.sh accuracy` carrying the
+# last part and .gpu_data).
+#
+# CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
+#   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
+# Tunables: NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/pagedkv-gpu-out}"
+PYTHON="${PYTHON:-python3}"
+SMOKE="${SMOKE:-0}"
+mkdir -p "$OUT"
+parts=("$@")
+[[ ${#parts[@]} -eq 0 ]] && parts=(tests kernels bf16 fp8 accuracy)
+source scripts/gpu_env.sh || exit 1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 || echo "no nvidia-smi"
+  "$PYTHON" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
+  echo "commit ${PAGEDKV_COMMIT:-unknown}"
+} > "$OUT/fp8_env.txt" 2>&1
+cat "$OUT/fp8_env.txt"
+
+REQS=.gpu_data/sharegpt_1000.json
+PROMPTS=.gpu_data/fp8_prompts.json
+NUM_PROMPTS="${NUM_PROMPTS:-1000}"
+if [[ -f $REQS ]]; then
+  workload=(--dataset "$REQS"); name=llama3_8b_sharegpt_real
+  have=$("$PYTHON" -c "import json,sys; print(len(json.load(open(sys.argv[1]))['requests']))" "$REQS")
+  (( have < NUM_PROMPTS )) && echo "note: $REQS holds $have requests, fewer than NUM_PROMPTS=$NUM_PROMPTS"
+else
+  workload=(--workload sharegpt); name=llama3_8b_sharegpt_like
+  echo "note: no $REQS: the ShareGPT-like lengths (see the header for how to make the file)"
+fi
+if [[ "$SMOKE" == 1 ]]; then  # the embedded model on the CPU, a few tokens
+  model=(--device cpu --kv-cache-gb 0.1)
+  workload=(--input-len 16 --output-len 8); name=smoke_smollm2_cpu
+  sizes=(--num-prompts 4 --max-model-len 1024 --max-num-seqs 4)
+  baselines=(--baseline hf --hf-batch-sizes 4 --hf-num-prompts 2 --hf-time-limit 5)
+else
+  model=(--model meta-llama/Meta-Llama-3-8B --load-format dummy --dtype bfloat16)
+  sizes=(--num-prompts "$NUM_PROMPTS" --max-model-len 2048 --max-num-seqs "${MAX_NUM_SEQS:-1024}"
+         --max-num-batched-tokens "${MAX_BATCHED:-16384}")
+  baselines=(--baseline hf --baseline hf-cb --hf-time-limit "${HF_TIME_LIMIT:-90}"
+             --hf-num-prompts "${HF_N:-128}" --hf-batch-sizes "${HF_BS:-64,128}")
+fi
+
+throughput() {  # throughput SUFFIX [options...]
+  local suffix=$1; shift
+  local json="$OUT/throughput_${name}${suffix}.json" log="$OUT/throughput_${name}${suffix}.log"
+  echo "=== throughput${suffix:- (bf16)}: ${model[*]} ${workload[*]} $*"
+  # shellcheck disable=SC2086  # EXTRA is a list of options
+  timeout "${RUN_TIMEOUT:-540}" "$PYTHON" -m pagedkv.bench.throughput "${model[@]}" "${sizes[@]}" \
+    "${workload[@]}" --workload-seed 0 "$@" ${EXTRA:-} --output-json "$json" 2>&1 \
+    | grep -v -E "it/s\]|req/s\]|s/req\]" | tee "$log" | grep -v -E "^\s*$" | tail -20
+  [[ -f $json ]] && "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('output_tok_s','roofline_frac','decode_step_ms','decode_step_bound_ms','num_gpu_blocks','kv_cache_dtype','quantization','workload','ratio_vs_hf')})" "$json"
+}
+
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== tests: gpu tests need a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== gpu tests (fp8)"
+      timeout 300 "$PYTHON" -m pytest -m gpu tests/kernels/test_fp8.py tests/engine/test_fp8.py \
+        -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/fp8_gpu_tests.log" | tail -15
+      ;;
+    kernels)
+      echo "=== kernel benchmark with the fp8 rows"
+      if [[ "$SMOKE" == 1 ]]; then kargs=(--quick --fp8-only); else kargs=(--fp8 --budget-s 200); fi
+      timeout 420 "$PYTHON" -m pagedkv.bench.kernels "${kargs[@]}" --commit "${PAGEDKV_COMMIT:-}" \
+        > "$OUT/kernels_fp8.log" 2>&1
+      echo "    exit $?"
+      tail -1 "$OUT/kernels_fp8.log" > "$OUT/kernels.json"
+      grep -E "^(decode fp8|prefill fp8|prefill N|gemm layer)" "$OUT/kernels_fp8.log" | tail -30
+      "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(('gemm_fp8', 'decode_fp8', 'prefill_fp8', 'prefill_vs'))})" "$OUT/kernels.json" \
+        || echo "kernels.json: no JSON line (see kernels_fp8.log)"
+      ;;
+    bf16)
+      throughput "" "${baselines[@]}"
+      ;;
+    fp8)
+      fp8_baselines=()
+      [[ "${BASELINES_FP8:-0}" == 1 ]] && fp8_baselines=("${baselines[@]}")
+      throughput _fp8 --kv-cache-dtype fp8 --quantization fp8 "${fp8_baselines[@]}"
+      ;;
+    accuracy)
+      if [[ "$SMOKE" == 1 ]]; then
+        acc=(--device cpu --num-prompts 2 --max-tokens 4 --kv-cache-gb 0.05
+             --variants control,kv_fp8,weights_fp8,kv_and_weights_fp8)
+        acc_name=smoke_cpu
+      else
+        source scripts/gpu_embedded_model.sh || { echo "=== accuracy: skipped (no embedded model)"; continue; }
+        if [[ ! -f $PROMPTS ]]; then echo "=== accuracy: skipped (no $PROMPTS: see the header)"; continue; fi
+        acc=(--device cuda --dtype bfloat16 --gpu-memory-utilization 0.5 --prompts-file "$PROMPTS" --skip-tokenizer-init
+             --variants control,kv_fp8,weights_fp8,kv_and_weights_fp8)
+        acc_name=smollm2_bf16
+      fi
+      echo "=== fp8 accuracy: ${acc[*]}"
+      timeout 400 "$PYTHON" -m pagedkv.bench.fp8_accuracy "${acc[@]}" \
+        --output-json "$OUT/fp8_accuracy_${acc_name}.json" > "$OUT/fp8_accuracy_${acc_name}.log" 2>&1
+      echo "    exit $?"
+      grep -v '^{' "$OUT/fp8_accuracy_${acc_name}.log" | grep -E "agreement|variant|---|^(control|kv_|weights_)" | tail -12
+      ;;
+    *) echo "unknown part $part (tests, kernels, bf16, fp8, accuracy)" ;;
+  esac
+done

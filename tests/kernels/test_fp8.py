@@ -1,0 +1,337 @@
+"""fp8 KV caches and fp8 quantization against exact references.
+
+- the e4m3 reference itself (every code, nearest-value search) against torch's cast;
+- ``reshape_and_cache`` into fp8 caches: each element the e4m3 value nearest to ``x / scale``,
+  ties to even, clamped at +-448 (bit-exact on every target);
+- decode and mixed prefill attention reading fp8 caches, against the float64 reference that
+  dequantizes exactly (``fp8 * scale``): the error is then only the query dtype's;
+- copy-on-write and swaps of fp8 blocks (bytes moved unchanged);
+- ``quantize_fp8_per_token``: exact against its reference, and the error bound that makes it a
+  quantizer (Hypothesis);
+- bad calls: a clear ``ValueError`` and nothing written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import pagedattn_kernels as pk
+from pagedattn_kernels import reference
+from pagedattn_kernels.testing import TOLERANCE, poisoned_like, random_paged_batch, rel_error
+
+F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal as numbers (fp8 -0 equals +0), NaN nowhere."""
+    a64, b64 = a.to(torch.float64).cpu(), b.to(torch.float64).cpu()
+    return bool(torch.isfinite(a64).all()) and torch.equal(a64, b64)
+
+
+def _scale(value: float, device: str) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
+# --------------------------------------------------------------------------- e4m3 reference
+
+
+def test_e4m3_values_are_the_codes_torch_decodes():
+    """The reference's grid (built from the format's definition) is exactly the set of finite
+    values of the 256 codes as torch decodes them."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).to(torch.float64)
+    finite = sorted(set(codes[torch.isfinite(codes)].tolist()))
+    assert reference.e4m3_values().tolist() == finite
+    assert len(finite) == 253 and finite[-1] == 448.0 and finite[1] == -finite[-2]
+
+
+@settings(max_examples=200)
+@given(st.floats(min_value=-600.0, max_value=600.0, allow_nan=False, width=32))
+def test_nearest_e4m3_is_torch_cast(x):
+    """Round to nearest, ties to even, clamp at 448: the reference's search and torch's cast
+    (two implementations) agree everywhere, including midpoints and the subnormal range."""
+    t = torch.tensor([x], dtype=torch.float32)
+    want = t.clamp(-448.0, 448.0).to(FP8)
+    assert _same_values(reference.nearest_e4m3(t, None), want)
+
+
+def test_nearest_e4m3_ties_and_carries():
+    """Midpoints go to the even code; a round-up that carries into the exponent (7.97 -> 8,
+    the value Triton's interpreter gets wrong without help) lands on the next binade."""
+    got = reference.nearest_e4m3(
+        torch.tensor([1.0625, 1.1875, 7.97, 2.0**-10, 3 * 2.0**-10, 500.0, -1e9]), None
+    )
+    assert got.to(torch.float64).tolist() == [1.0, 1.25, 8.0, 0.0, 2.0**-8, 448.0, -448.0]
+
+
+# --------------------------------------------------------------------------- cache writes
+
+WRITE_CASES = [(64, F32, 16, 1), (80, BF16, 8, 3), (128, F16, 32, 2)]
+
+
+@pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-h{c[3]}")
+def test_reshape_and_cache_fp8(target, seed, case):
+    head_dim, dtype, block_size, num_kv_heads = case
+    gen = target.generator(seed)
+    dev = target.device
+    num_blocks = 64 if target.full else 5
+    num_tokens = 40 * block_size if target.full else 2 * block_size + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen, device=dev).to(FP8)
+    value_cache = torch.randn(shape, generator=gen, device=dev).to(FP8)
+    # K/V sliced from one fused projection; magnitudes from subnormal to past the clamp.
+    fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen, device=dev)
+    spread = torch.exp(3 * torch.randn(num_tokens, 1, 1, generator=gen, device=dev))
+    fused = (fused * spread).to(dtype)
+    key, value = fused[:, num_kv_heads : 2 * num_kv_heads], fused[:, 2 * num_kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=dev)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen, device=dev) < 0.2] = -1
+    k_scale, v_scale = _scale(0.37, dev), _scale(2.5, dev)
+
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, want_k, want_v, slots, k_scale=k_scale,
+                                v_scale=v_scale)  # fmt: skip
+    pk.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale=k_scale,
+                         v_scale=v_scale, backend=target.backend)  # fmt: skip
+    assert _same_values(key_cache, want_k), f"seed={seed}"
+    assert _same_values(value_cache, want_v), f"seed={seed}"
+    # Without scales: 1.0.
+    pk.reshape_and_cache(key, value, key_cache, value_cache, slots, backend=target.backend)
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    assert _same_values(key_cache, want_k) and _same_values(value_cache, want_v), f"seed={seed}"
+
+
+# --------------------------------------------------------------------------- attention
+
+# (head_dim, query dtype, block_size, queries per KV head)
+ATTN_CASES = [(64, F32, 16, 1), (80, BF16, 8, 3), (128, F16, 32, 4), (128, BF16, 16, 8)]
+
+
+def _fp8_batch(target, seed, case, lens, q_lens):
+    head_dim, dtype, block_size, group = case
+    gen = target.generator(seed)
+    num_kv_heads = 4 if target.full else 1
+    batch = random_paged_batch(
+        gen, lens, q_lens, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype, device=target.device,
+    )  # fmt: skip
+    # fp8 caches of values around 4 (scales 0.25 and 0.5 make them about 1 and 2).
+    batch.key_cache = (4 * batch.key_cache.float()).to(FP8)
+    batch.value_cache = (4 * batch.value_cache.float()).to(FP8)
+    return batch, _scale(0.25, target.device), _scale(0.5, target.device)
+
+
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-g{c[3]}")
+def test_decode_reads_fp8(target, seed, case):
+    dtype, block_size = case[1], case[2]
+    lens = [1, block_size, 2 * block_size + 5, 37, 0]
+    if target.full:
+        lens += [1000, 4099, 9000]
+    batch, ks, vs = _fp8_batch(target, seed, case, lens, [1] * len(lens))
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    ref = reference.paged_decode_attention(*args, k_scale=ks, v_scale=vs)
+    splits = (None, 3) if target.backend == "triton" else (None,)
+    for num_splits in splits:  # the split path merges partial outputs that carry v_scale
+        out = pk.paged_decode_attention(
+            *args, k_scale=ks, v_scale=vs, out=poisoned_like(batch.query),
+            backend=target.backend, num_splits=num_splits,
+        )  # fmt: skip
+        err = rel_error(out, ref)
+        assert err < TOLERANCE[dtype], f"splits={num_splits}: rel error {err:.2e} (seed={seed})"
+    # A float cache holding the same (dequantized) values gives the same answer.
+    kf = (batch.key_cache.float() * 0.25).to(dtype)
+    vf = (batch.value_cache.float() * 0.5).to(dtype)
+    plain = pk.paged_decode_attention(batch.query, kf, vf, batch.block_tables, batch.seq_lens,
+                                      backend=target.backend)  # fmt: skip
+    assert rel_error(plain, ref) < TOLERANCE[dtype], f"seed={seed}"
+
+
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-g{c[3]}")
+def test_mixed_batch_reads_fp8(target, seed, case):
+    """Fresh prefills, a chunk continuing a cached prefix, decodes and an empty chunk."""
+    dtype, block_size = case[1], case[2]
+    pairs = [(23, 23), (40, 9), (1, 1), (2 * block_size, 1), (30, 0), (block_size + 3, 5)]
+    if target.full:
+        pairs += [(1500, 1500), (4100, 700), (300, 64)]
+    lens, q_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    batch, ks, vs = _fp8_batch(target, seed, case, lens, q_lens)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+            batch.cu_query_lens)  # fmt: skip
+    ref = reference.paged_attention(*args, k_scale=ks, v_scale=vs)
+    out = pk.paged_attention(*args, k_scale=ks, v_scale=vs, out=poisoned_like(batch.query),
+                             backend=target.backend)  # fmt: skip
+    err = rel_error(out, ref)
+    assert err < TOLERANCE[dtype], f"rel error {err:.2e} (seed={seed})"
+
+
+def test_write_then_read_roundtrip(target, seed):
+    """What the engine does in one layer: quantize this step's K/V into the cache, then attend
+    over them; the answer is attention over the quantized values, close to the float one."""
+    gen = target.generator(seed)
+    dev = target.device
+    lens = [50, 17] if not target.full else [3000, 17, 700]
+    heads, kv_heads, dim, bs = 4, 2, 64, 16
+    batch = random_paged_batch(gen, lens, lens, num_heads=heads, num_kv_heads=kv_heads,
+                               head_dim=dim, block_size=bs, dtype=BF16, device=dev)  # fmt: skip
+    cache_k = torch.zeros(batch.key_cache.shape, dtype=FP8, device=dev)
+    cache_v = torch.zeros_like(cache_k)
+    tokens = sum(lens)
+    key = torch.randn(tokens, kv_heads, dim, generator=gen, device=dev).to(BF16)
+    value = torch.randn(tokens, kv_heads, dim, generator=gen, device=dev).to(BF16)
+    slots = []
+    for i, n in enumerate(lens):
+        table = batch.block_tables[i].tolist()
+        slots += [table[p // bs] * bs + p % bs for p in range(n)]
+    slot_mapping = torch.tensor(slots, device=dev)
+    ks, vs = _scale(0.02, dev), _scale(0.015, dev)  # amax of N(0,1) over a few thousand ~ 4.5
+    pk.reshape_and_cache(key, value, cache_k, cache_v, slot_mapping, k_scale=ks, v_scale=vs,
+                         backend=target.backend)  # fmt: skip
+    out = pk.paged_attention(batch.query, cache_k, cache_v, batch.block_tables, batch.seq_lens,
+                             batch.cu_query_lens, k_scale=ks, v_scale=vs, backend=target.backend)
+    exact_k, exact_v = batch.key_cache.clone(), batch.value_cache.clone()
+    pk.reshape_and_cache(key, value, exact_k, exact_v, slot_mapping, backend="torch")
+    ref = reference.paged_attention(batch.query, exact_k, exact_v, batch.block_tables,
+                                    batch.seq_lens, batch.cu_query_lens)  # fmt: skip
+    # e4m3 keeps 3 mantissa bits: ~2-3% relative error per element, less after averaging.
+    assert rel_error(out, ref) < 0.05, f"seed={seed}"
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def test_copy_and_swap_fp8_blocks(target, seed):
+    gen = target.generator(seed)
+    dev = target.device
+    kv = torch.randn(2, 2, 12, 16, 2, 64, generator=gen, device=dev).to(FP8)
+    mapping = torch.tensor([[0, 5], [2, 3], [7, 11]])
+    want = kv.clone()
+    reference.copy_blocks(want, mapping)
+    pk.copy_blocks(kv, mapping.to(dev), backend=target.backend)
+    assert torch.equal(kv.view(torch.uint8), want.view(torch.uint8)), f"seed={seed}"
+    host = torch.zeros(2, 2, 6, 16, 2, 64, dtype=FP8)
+    if dev == "cuda":
+        host = host.pin_memory()
+    out_pairs = torch.tensor([[5, 0], [3, 4], [11, 2]])
+    want_host = host.clone()
+    reference.swap_blocks(kv, want_host, out_pairs)
+    pk.swap_blocks(kv, host, out_pairs)
+    if dev == "cuda":
+        pk.swap_stream(kv.device).synchronize()
+    assert torch.equal(host.view(torch.uint8), want_host.view(torch.uint8)), f"seed={seed}"
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_quantize_fp8_per_token_exact(target, seed, dtype):
+    gen = target.generator(seed)
+    rows, cols = (512, 14336) if target.full else (6, 300)
+    x = torch.randn(rows, cols, generator=gen, device=target.device)
+    x = (x * torch.exp(3 * torch.randn(rows, 1, generator=gen, device=target.device))).to(dtype)
+    x[1] = 0  # an all-zero row: the smallest scale, zeros
+    q, s = pk.quantize_fp8_per_token(x, backend=target.backend)
+    want_q, want_s = reference.quantize_fp8_per_token(x.cpu() if target.full else x)
+    assert q.dtype == FP8 and s.dtype == F32 and tuple(s.shape) == (rows, 1)
+    assert torch.equal(s.cpu(), want_s.cpu()), f"seed={seed}"
+    assert _same_values(q, want_q), f"seed={seed}"
+    # Into given buffers, from a strided view.
+    wide = torch.zeros(rows, 2 * cols, dtype=dtype, device=target.device)
+    wide[:, ::2] = x
+    out = torch.empty(rows, cols, dtype=FP8, device=target.device)
+    scale_out = torch.empty(rows, 1, device=target.device)
+    got = pk.quantize_fp8_per_token(wide[:, ::2], out=out, scale_out=scale_out,
+                                    backend=target.backend)  # fmt: skip
+    assert got[0] is out and got[1] is scale_out
+    assert _same_values(out, q) and torch.equal(scale_out, s)
+
+
+@settings(max_examples=60)
+@given(arrays("float32", st.tuples(st.integers(1, 4), st.integers(1, 40)),
+              elements=st.floats(-1e4, 1e4, width=32)))  # fmt: skip
+def test_quantize_fp8_per_token_error_bound(values):
+    """Every element comes back within half an e4m3 step: |q * s - x| <= |x| / 16 in the normal
+    range, 2^-10 * s below it (plus the float32 division's rounding)."""
+    x = torch.from_numpy(values)
+    q, s = pk.quantize_fp8_per_token(x, backend="torch")
+    assert bool((s > 0).all())
+    back = q.to(torch.float64) * s.to(torch.float64)
+    x64 = x.to(torch.float64)
+    bound = torch.maximum(x64.abs() / 16, 2.0**-10 * s.to(torch.float64)) * (1 + 1e-6)
+    assert bool(((back - x64).abs() <= bound).all())
+    assert bool((q.to(torch.float64).abs() <= 448).all())
+
+
+# --------------------------------------------------------------------------- bad calls
+
+
+def test_scales_on_float_caches_are_refused(seed):
+    gen = torch.Generator().manual_seed(seed)
+    kc = torch.randn(3, 16, 2, 64, generator=gen)
+    vc = torch.randn(3, 16, 2, 64, generator=gen)
+    before = kc.clone(), vc.clone()
+    key = torch.randn(2, 2, 64, generator=gen)
+    with pytest.raises(ValueError, match="fp8 caches only"):
+        pk.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1]), k_scale=_scale(1.0, "cpu"))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    q = torch.randn(1, 2, 64, generator=gen)
+    with pytest.raises(ValueError, match="fp8 caches only"):
+        pk.paged_decode_attention(q, kc, vc, torch.tensor([[0]], dtype=torch.int32),
+                                  torch.tensor([3], dtype=torch.int32), v_scale=_scale(1.0, "cpu"))
+
+
+@pytest.mark.parametrize(
+    "scale, match",
+    [
+        (torch.tensor([1.0, 2.0]), "one element"),
+        (torch.tensor([1.0], dtype=torch.float64), "float32"),
+        (0.5, "float32 tensor"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_scales_change_nothing(seed, scale, match, backend):
+    gen = torch.Generator().manual_seed(seed)
+    kc = torch.randn(3, 16, 2, 64, generator=gen).to(FP8)
+    vc = torch.randn(3, 16, 2, 64, generator=gen).to(FP8)
+    before = kc.view(torch.uint8).clone(), vc.view(torch.uint8).clone()
+    key = torch.randn(2, 2, 64, generator=gen)
+    with pytest.raises(ValueError, match=match):
+        pk.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1]), k_scale=scale,
+                             backend=backend)  # fmt: skip
+    assert torch.equal(kc.view(torch.uint8), before[0])
+    assert torch.equal(vc.view(torch.uint8), before[1])
+    out = torch.full((1, 2, 64), float("nan"))
+    with pytest.raises(ValueError, match=match):
+        pk.paged_decode_attention(key[:1], kc, vc, torch.tensor([[0]], dtype=torch.int32),
+                                  torch.tensor([3], dtype=torch.int32), k_scale=scale, out=out,
+                                  backend=backend)  # fmt: skip
+    assert bool(out.isnan().all())
+
+
+def test_fp8_query_or_mismatched_caches_are_refused(seed):
+    gen = torch.Generator().manual_seed(seed)
+    kc = torch.randn(3, 16, 2, 64, generator=gen).to(FP8)
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="query"):
+        pk.paged_decode_attention(torch.zeros(1, 2, 64, dtype=FP8), kc, kc, tables, lens)
+    with pytest.raises(ValueError, match="must match"):
+        pk.paged_decode_attention(torch.zeros(1, 2, 64), kc, kc.float(), tables, lens)
+    with pytest.raises(ValueError, match="out"):
+        pk.paged_decode_attention(torch.zeros(1, 2, 64), kc, kc, tables, lens,
+                                  out=torch.zeros(1, 2, 64, dtype=BF16))  # fmt: skip
+
+
+def test_quantize_bad_calls():
+    with pytest.raises(ValueError, match="2 dims"):
+        pk.quantize_fp8_per_token(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="float"):
+        pk.quantize_fp8_per_token(torch.zeros(2, 3, dtype=torch.int32))
+    out = torch.zeros(2, 3, dtype=BF16)
+    with pytest.raises(ValueError, match="out must be"):
+        pk.quantize_fp8_per_token(torch.zeros(2, 3), out=out)
+    assert bool((out == 0).all())
+    with pytest.raises(ValueError, match="scale_out"):
+        pk.quantize_fp8_per_token(torch.zeros(2, 3), scale_out=torch.zeros(2))
