@@ -335,3 +335,13 @@ def tiny_prompts() -> list[list[int]]:
     """A batch of prompts of different lengths (token ids < 256)."""
     gen = torch.Generator().manual_seed(1234)
     return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13, 1, 22, 9)]
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (a spawned tensor-parallel worker inherits it: two
+    processes on two cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

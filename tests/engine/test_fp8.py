@@ -40,6 +40,7 @@ from pagedkv.engine.models.quantization import (
 from pagedkv.engine.sampling_params import SamplingParams
 
 # The tensor-parallel tests' prompts and helpers (their checkpoints: `checkpoints` below).
+from .test_engine_e2e import run_all as run_to_end
 from .test_tensor_parallel import PROMPTS as TP_PROMPTS
 from .test_tensor_parallel import _greedy, _tp1_vs_tp2, _unshard
 
@@ -226,19 +227,10 @@ def test_fp8_copy_on_write_of_shared_blocks(make_engine):
 
     def run(**kw: Any) -> tuple[list[list[int]], int]:
         engine = make_engine(kv_cache_dtype="fp8", block_size=8, max_num_seqs=4, **kw)
-        engine.add_request("s", TP_PROMPTS[3], sampled)  # 16 tokens: 2 shared full blocks
-        engine.add_request("g", TP_PROMPTS[1], greedy())
-        finals = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        stats = engine.get_stats()
-        assert stats.gpu_kv_usage == 0.0 and stats.cpu_kv_usage == 0.0
-        outs = [list(c.token_ids) for c in finals["s"].outputs] + [
-            list(finals["g"].outputs[0].token_ids)
-        ]
-        return outs, stats.num_preemptions
+        # 16 tokens: 2 shared full blocks; run_to_end also checks that no block leaked
+        s, g = run_to_end(engine, [TP_PROMPTS[3], TP_PROMPTS[1]], [sampled, greedy()])
+        outs = [list(c.token_ids) for c in s.outputs] + [list(g.outputs[0].token_ids)]
+        return outs, engine.get_stats().num_preemptions
 
     free, none = run()
     assert none == 0 and len({tuple(t) for t in free[:3]}) == 3, "three different samples"
@@ -388,14 +380,6 @@ def test_runner_refuses_a_model_of_the_other_kind(tiny_checkpoint):
 
 
 # --------------------------------------------------------------------------- other engine paths
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the spawned worker inherits it: 2 processes on 2 cores
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.mark.slow
 def test_tp2_fp8_cache_equals_tp1_under_swapping(checkpoints, one_thread):

@@ -208,14 +208,6 @@ def _check_ranks_ran_alike(ref: dict, got: dict) -> None:
         assert ranks[0]["steps_with_pending"] == 0
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the spawned worker inherits it: 2 processes on 2 cores
-    yield
-    torch.set_num_threads(before)
-
-
 # --------------------------------------------------------------------------- sharding
 
 

@@ -137,6 +137,23 @@ def _time_graph(fn: Callable[[], object], device: torch.device) -> float | None:
         return None
 
 
+
+def time_tile(run, device, row: dict, kv_bytes: float, copy_bw: float) -> bool:
+    """Time one tile configuration of a decode sweep into `row` (`us`, `bw_frac` and, with
+    CUDA graphs, `graph_us`, `graph_bw_frac`); a shape that does not compile or fit gets
+    `error` instead and False is returned."""
+    try:
+        run()
+        seconds = _time(run, device)
+        graph_s = _time_graph(run, device)
+    except Exception as exc:  # a tile shape that does not compile or fit
+        row["error"] = repr(exc)[:200]
+        return False
+    row.update(us=seconds * 1e6, bw_frac=kv_bytes / seconds / copy_bw)
+    if graph_s is not None:
+        row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
+    return True
+
 def _host_us(fn: Callable[[], object], device: torch.device, n: int = 200) -> float:
     """Host time per call (launches queued, not waited for)."""
     fn()
@@ -419,19 +436,13 @@ def _sweep_decode(
 
             row = {"batch": batch, "context": context, "config": asdict(cfg), "splits": splits,
                    "auto_splits": auto}  # fmt: skip
-            try:
-                run()
-                seconds = _time(run, setup.device)
-                graph_s = _time_graph(run, setup.device)
-            except Exception as exc:  # a tile shape that does not compile or fit
-                rows.append({**row, "error": repr(exc)[:200]})
-                continue
-            row.update(us=seconds * 1e6, bw_frac=kv_bytes / seconds / copy_bw)
-            graph = ""
-            if graph_s is not None:
-                row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
-                graph = f" | graph {graph_s * 1e6:.1f} us {100 * row['graph_bw_frac']:.1f}%"
             rows.append(row)
+            if not time_tile(run, setup.device, row, kv_bytes, copy_bw):
+                continue
+            seconds = row["us"] / 1e6
+            graph = ""
+            if "graph_us" in row:
+                graph = f" | graph {row['graph_us']:.1f} us {100 * row['graph_bw_frac']:.1f}%"
             print(f"sweep decode B={batch} ctx={context} {asdict(cfg)} splits={splits}"
                   f"{' (auto)' if splits == auto else ''}: {seconds * 1e6:.1f} us "
                   f"{100 * row['bw_frac']:.1f}% of copy{graph}", flush=True)  # fmt: skip

@@ -33,6 +33,7 @@ from pagedkv.bench.kernels import (
     _time,
     _time_graph,
     rel_error,
+    time_tile,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -147,20 +148,12 @@ def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
             row: dict[str, Any] = {"batch": batch, "context": context,
                                    "config": {"tile_n": cfg.tile_n, "num_warps": cfg.num_warps,
                                               "num_stages": cfg.num_stages}}  # fmt: skip
-            try:
-                run()
-                seconds = _time(run, setup.device)
-                graph_s = _time_graph(run, setup.device)
-            except Exception as exc:  # a tile shape that does not compile or fit
-                rows.append({**row, "error": repr(exc)[:200]})
-                continue
-            row.update(us=seconds * 1e6, bw_frac=kv_bytes / seconds / copy_bw)
-            if graph_s is not None:
-                row.update(graph_us=graph_s * 1e6, graph_bw_frac=kv_bytes / graph_s / copy_bw)
             rows.append(row)
+            if not time_tile(run, setup.device, row, kv_bytes, copy_bw):
+                continue
             print(f"sweep decode fp8 B={batch} ctx={context} {row['config']}: "
-                  f"{seconds * 1e6:.1f} us {100 * row['bw_frac']:.1f}% of copy"
-                  + (f" | graph {100 * row['graph_bw_frac']:.1f}%" if graph_s else ""),
+                  f"{row['us']:.1f} us {100 * row['bw_frac']:.1f}% of copy"
+                  + (f" | graph {100 * row['graph_bw_frac']:.1f}%" if "graph_us" in row else ""),
                   flush=True)  # fmt: skip
         del kc, vc
         if setup.device.type == "cuda":
