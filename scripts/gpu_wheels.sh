@@ -14,6 +14,7 @@ pkgs=(
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   uvicorn==0.54.0 httptools==0.9.0
   pyzmq==27.3.0 msgspec==0.22.0
+  llguidance==1.9.1
 )
 plats=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \

@@ -170,6 +170,34 @@ def test_schedule_ahead_is_refused_when_it_cannot_hold(make_engine):
     sched.abort("x")
 
 
+def test_greedy_requests_under_token_masks_run_ahead_with_the_same_tokens(make_engine):
+    """Structured output (a JSON schema, a regex), `allowed_token_ids` and `bad_words` at
+    temperature 0 beside plain greedy requests: scheduled ahead (the masks are built once the
+    step before is applied, while the next pass runs), the same outputs as the plain loop."""
+    import json
+
+    import jsonschema
+
+    from pagedkv.engine.structured import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = [
+        greedy(40, structured_outputs=SO(json=schema)),
+        greedy(12, ignore_eos=True),
+        greedy(16, structured_outputs=SO(regex=r"[a-z]+( [a-z]+)*\.")),
+        greedy(10, ignore_eos=True, allowed_token_ids=list(range(200, 400))),
+        greedy(12, ignore_eos=True, bad_words=[" the", " a"]),
+        greedy(9, ignore_eos=True),
+    ]
+    plain, ahead_engine = compare(make_engine, params)
+    jsonschema.validate(json.loads(plain["r0"][3]), schema)
+    assert all(200 <= t < 400 for t in plain["r3"][0])
+    ran_ahead = ahead_engine.scheduler.num_scheduled_ahead
+    assert ran_ahead > 10, f"only {ran_ahead} steps were scheduled ahead"
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_dropped_engine_is_freed_at_once(make_engine, async_scheduling):
     """No reference cycle keeps an engine (its KV cache, on a GPU its weights too) alive after

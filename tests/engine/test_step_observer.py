@@ -163,3 +163,28 @@ def test_the_step_trace_counts_every_prompt_token_and_decode(make_engine, tmp_pa
     assert all(x["prefill_tokens"] <= 16 for x in lines)
     assert all(("execute" in x) or ("wait" in x) for x in lines)  # the step's phases, in ms
     assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+
+
+def test_the_core_profile_reports_a_window_of_iterations(tmp_path, monkeypatch):
+    """`PAGEDKV_CORE_PROFILE=<path>:<skip>:<count>`: torch.profiler over the `count` loop
+    iterations after the first `skip`, then a report of the longest host calls and a Chrome
+    trace."""
+    import torch
+
+    from pagedkv.engine.core.step_trace import PROFILE_ENV_VAR, profile_from_env
+
+    monkeypatch.delenv(PROFILE_ENV_VAR, raising=False)
+    assert profile_from_env() is None
+    path = tmp_path / "core_profile.txt"
+    monkeypatch.setenv(PROFILE_ENV_VAR, f"{path}:3:2")
+    profile = profile_from_env()
+    x = torch.ones(64, 64)
+    for i in range(1, 7):
+        if i == 4:
+            torch.mm(x, x)  # inside the window (iterations 4 and 5)
+        profile.tick()
+        assert path.exists() == (i >= 5)
+    profile.close()  # nothing left to close
+    report = path.read_text()
+    assert report.startswith("longest single host calls") and "aten::mm" in report
+    assert (tmp_path / "core_profile.txt.json").stat().st_size > 0

@@ -12,6 +12,11 @@ result = in_flight.result()          # only now wait for step N's tokens...
 scheduler.update(...); outputs(...)  # ...and apply them while N+1 runs
 ```
 
+Greedy requests under token masks (structured output, `allowed_token_ids`, `bad_words`) take
+part too: their rows' argmax waits on the host for the masks, which need step N's tokens, so
+the runner launches N+1's forward pass and logits, and `finish()` builds the masks and takes
+the masked argmax once N is applied, while N+1's forward pass runs.
+
 Whenever that does not hold — a request that samples, wants logprobs or beams, a lack of
 free blocks, swapped requests, prefix caching (see `Scheduler.can_schedule_ahead`) — the step
 in flight is applied first and the engine takes the plain step.
@@ -48,21 +53,25 @@ class AsyncScheduling:
         sched = engine.scheduler
         results: list[RequestOutput] = []
         prev, self.in_flight = self.in_flight, None
-        if prev is not None and engine.outputs.all_argmax and sched.can_schedule_ahead():
+        t0 = time.perf_counter()
+        if prev is not None and self._greedy_batch() and sched.can_schedule_ahead():
             out = sched.schedule_ahead()
         else:
             if prev is not None:
                 results += self._apply(prev)
                 prev = None
-            if not engine.outputs.all_argmax:  # sampling, logprobs, beams...: the plain step
+            if not self._greedy_batch():  # sampling, logprobs, beams...: the plain step
                 return results + engine.plain_step()
             out = sched.schedule()
         now = time.time()
         results += engine.outputs.finished_outside(out.finished, now)
+        t1 = time.perf_counter()
         if not out.is_empty:
             try:
                 tables = [tuple(ss.block_table) for ss in out.scheduled] if engine.observed else None
-                self.in_flight = (out, engine.runner.execute_async(out), tables)
+                launched = engine.runner.execute_async(out)
+                # (schedule, launch) of this pass: reported with the step applied next to it
+                self.in_flight = (out, launched, tables, (t1 - t0, time.perf_counter() - t1))
             except TensorParallelError as exc:  # a rank died: no step can run any more
                 engine.fail(exc)
                 raise
@@ -73,7 +82,11 @@ class AsyncScheduling:
                 return results
             engine.outputs.note_scheduled(out, now)
         if prev is not None:
-            results += self._apply(prev)
+            results += self._apply(prev, self.in_flight)
+        if self.in_flight is not None:
+            # Token masks (structured output) need the tokens just applied: they are built now,
+            # while the pass launched above still runs on the device.
+            self.in_flight[1].finish()
         if self.in_flight is not None and not sched.has_unfinished():
             # Every request ended with the step just applied: the pass in flight only computed
             # rows to be ignored. Apply it now, so that the scheduler is idle between calls.
@@ -81,11 +94,20 @@ class AsyncScheduling:
             results += self._apply(last)
         return results
 
-    def _apply(self, in_flight) -> list[RequestOutput]:
+    def _greedy_batch(self) -> bool:
+        """Whether every live request takes an argmax: plain greedy, or greedy under token masks
+        (structured output) when the runner can mask a pass in flight."""
+        outputs = self.engine.outputs
+        return outputs.all_argmax or (outputs.all_greedy
+                                      and getattr(self.engine.runner, "masks_in_flight", False))
+
+    def _apply(self, in_flight, launched_next=None) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them. Requests that ended since it was
-        launched (aborted, or stopped by the step before) are skipped by `update`."""
+        launched (aborted, or stopped by the step before) are skipped by `update`.
+        `launched_next`: the pass launched since (its schedule and launch times are traced with
+        this step)."""
         engine = self.engine
-        out, launched, tables = in_flight
+        out, launched, tables, _ = in_flight
         t0 = time.perf_counter()
         try:
             result = launched.result()
@@ -98,6 +120,9 @@ class AsyncScheduling:
         t2 = time.perf_counter()
         results = engine.outputs.process(out, result, samples, update, time.time())
         if engine.observed:
+            timings = {}
+            if launched_next is not None:
+                timings["schedule"], timings["launch"] = launched_next[3]
             engine.observe(out, samples, update, results, tables=tables, wait=t1 - t0,
-                           update=t2 - t1, output=time.perf_counter() - t2)
+                           update=t2 - t1, output=time.perf_counter() - t2, **timings)
         return results

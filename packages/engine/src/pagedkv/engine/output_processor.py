@@ -123,6 +123,7 @@ class OutputProcessor:
         # Live requests that need more than an argmax (sampling, logprobs, beams...): while
         # there are none, asynchronous scheduling may overlap steps.
         self._num_not_argmax = 0
+        self._num_not_greedy = 0
         # Beam search: the cumulative logprob of each choice of this step, per parent sequence
         # (continuation first, then one per fork, as `Scheduler.update` forks them).
         self._beam_cum: dict[int, list[float]] = {}
@@ -144,6 +145,7 @@ class OutputProcessor:
             st.prompt_logprobs = [None]
         self._requests[request_id] = st
         self._num_not_argmax += not prep.sampling.argmax_only
+        self._num_not_greedy += not prep.sampling.greedy
 
     def _new_seq_state(self, prep: PreparedRequest, index: int) -> SeqOutputState:
         p = prep.sampling.params
@@ -159,6 +161,7 @@ class OutputProcessor:
         st = self._requests.pop(request_id, None)
         if st is not None:
             self._num_not_argmax -= not st.prep.sampling.argmax_only
+            self._num_not_greedy -= not st.prep.sampling.greedy
         return st
 
     def __contains__(self, request_id: str) -> bool:
@@ -177,6 +180,11 @@ class OutputProcessor:
     def all_argmax(self) -> bool:
         """Whether every live request is plain greedy (see `RequestSampling`)."""
         return self._num_not_argmax == 0
+
+    @property
+    def all_greedy(self) -> bool:
+        """Whether every live request takes an argmax, plain or under token masks."""
+        return self._num_not_greedy == 0
 
     # ---- one step -----------------------------------------------------------------------------
     def note_scheduled(self, out, now: float) -> None:

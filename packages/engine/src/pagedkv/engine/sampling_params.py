@@ -372,6 +372,11 @@ class RequestSampling:
         return (self.structured is not None or self.allowed_bitmask is not None
                 or bool(self.bad_words_token_ids))
 
+    @property
+    def greedy(self) -> bool:
+        """An argmax is all it takes, plain (`argmax_only`) or over masked logits."""
+        return self.argmax_only or self.masked_argmax
+
     @classmethod
     def of(cls, params: SamplingParams, *, structured: Any = None, allowed_bitmask: Any = None,
            bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> RequestSampling:

@@ -52,7 +52,7 @@ def nearest_e4m3(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``x / scale`` (computed in float32, as the kernels divide) rounded to the nearest e4m3
     value, ties to the code whose last mantissa bit is 0, beyond +-448 clamped; returned as
     float8_e4m3fn (the cast of an e4m3 value is exact)."""
-    y = x.to(torch.float32)
+    y = x.to(torch.float32).cpu()
     y = (y / scale.cpu() if scale is not None else y).to(torch.float64).flatten().cpu()
     grid = e4m3_values()
     y = y.clamp(float(grid[0]), float(grid[-1]))

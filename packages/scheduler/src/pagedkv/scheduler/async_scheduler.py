@@ -51,6 +51,8 @@ class AsyncScheduler(Scheduler):
         self._placeholders_for: SchedulerOutput | None = None
         self._placeholders: list[Sequence] = []
         self._scheduling_ahead = False
+        #: Batches built by :meth:`schedule_ahead` so far (the rest went through ``schedule``).
+        self.num_scheduled_ahead = 0
 
     def can_schedule_ahead(self) -> bool:
         """Whether :meth:`schedule_ahead` may build the next batch now: prefix caching is
@@ -108,6 +110,7 @@ class AsyncScheduler(Scheduler):
         self._placeholders_for = last
         self._placeholders = marked
         self._scheduling_ahead = True
+        self.num_scheduled_ahead += 1
         try:
             return self._schedule()
         finally:

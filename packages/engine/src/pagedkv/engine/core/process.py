@@ -75,9 +75,12 @@ def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     threading.Thread(target=watch, name="pagedkv-core-parent-watch", daemon=True).start()
 
 
-def run_busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+def run_busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, trace: Any = None,
+                  profile: Any = None) -> None:
     """Step while there is work, read inputs between steps, block while idle; returns on
-    `SHUTDOWN`."""
+    `SHUTDOWN`. `trace`: a `StepTrace`, given the loop's own phases; `profile`: a
+    `CoreProfile`, told of each iteration that stepped."""
+    clock = time.perf_counter
     enc = Encoder()
     dec_request = decoder(EngineCoreRequest)
     dec_ids = decoder(list[str])
@@ -91,6 +94,7 @@ def run_busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
                 send((KIND_OUTPUTS, enc.encode(msg)), copy=False)
             if not poll(IDLE_POLL_MS):
                 continue
+        t0 = clock()
         while poll(0):
             kind, payload = recv()
             if kind == KIND_ADD:
@@ -102,9 +106,16 @@ def run_busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
             else:
                 logger.error("unknown message kind %r from the API process; ignored", kind)
         if core.has_work:
+            t1 = clock()
             msg = core.step()
+            t2 = clock()
             if not msg.is_empty:
                 send((KIND_OUTPUTS, enc.encode(msg)), copy=False)
+            if trace is not None:
+                trace.loop["inputs"] = round((t1 - t0) * 1e3, 4)
+                trace.loop["send"] = round((clock() - t2) * 1e3, 4)
+            if profile is not None:
+                profile.tick()
 
 
 def _fatal(out_sock: zmq.Socket, exc: BaseException) -> None:
@@ -137,17 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.RCVHWM, 0)
     in_sock.connect(ns.input)
-    engine = trace = None
+    engine = trace = profile = None
     try:
         try:
             from pagedkv.engine.arg_utils import EngineArgs
             from pagedkv.engine.core.engine_core import EngineCore
-            from pagedkv.engine.core.step_trace import trace_from_env
+            from pagedkv.engine.core.step_trace import profile_from_env, trace_from_env
             from pagedkv.engine.llm_engine import LLMEngine
 
             engine = LLMEngine(EngineArgs(**json.loads(ns.engine_args)))
             core = EngineCore(engine)
             trace = trace_from_env(engine)
+            profile = profile_from_env()
         except BaseException as exc:
             logger.exception("the engine core could not start")
             _fatal(out_sock, exc)
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         out_sock.send_multipart((KIND_READY, Encoder().encode(core.ready_message())))
         logger.info("engine core ready (pid %d)", os.getpid())
         try:
-            run_busy_loop(core, in_sock, out_sock)
+            run_busy_loop(core, in_sock, out_sock, trace, profile)
         except BaseException as exc:
             logger.exception("the engine core loop stopped on an error")
             _fatal(out_sock, exc)
@@ -165,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trace is not None:
             trace.close()
+        if profile is not None:
+            profile.close()
         if engine is not None:
             engine.shutdown()
         in_sock.close(linger=0)

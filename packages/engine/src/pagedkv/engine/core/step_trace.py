@@ -6,7 +6,9 @@ line per step to `<path>`: when the step ended (`t`, the wall clock, comparable 
 benchmark client's), how many sequences decoded, how many prompt tokens it computed (prefill
 chunks riding along), the queue lengths after it, and its phases in milliseconds (`schedule`,
 `execute`, `update`, `output` for a plain step; `wait`, `update`, `output` for a step
-scheduled asynchronously). `pagedkv.bench.step_trace` summarizes a trace per benchmark rate:
+scheduled asynchronously, with `schedule` and `launch` of the pass launched in the same
+iteration), and the loop's `inputs` (reading requests and aborts) and `send` (the step's
+message) before it. `pagedkv.bench.step_trace` summarizes a trace per benchmark rate:
 decode-only steps against steps that carry a prefill, and how many ran asynchronously.
 
 The trace is a step observer: each step then builds a `StepRecord` (a copy of the scheduled
@@ -35,6 +37,9 @@ class StepTrace:
     def __init__(self, path: str) -> None:
         self.path = path
         self._file: IO[str] | None = open(path, "a", buffering=1 << 16)  # noqa: SIM115
+        #: The step loop's own phases since the last line (milliseconds: reading requests and
+        #: aborts, sending the step's message), written with the next line.
+        self.loop: dict[str, float] = {}
 
     def __call__(self, record: StepRecord) -> None:
         if self._file is None:
@@ -50,6 +55,9 @@ class StepTrace:
                 "waiting": record.num_waiting}
         for phase, seconds in record.timings.items():
             line[phase] = round(seconds * 1e3, 4)
+        if self.loop:
+            line.update(self.loop)
+            self.loop = {}
         self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
@@ -67,3 +75,72 @@ def trace_from_env(engine) -> StepTrace | None:
     engine.add_step_observer(trace)
     logger.info("tracing every step to %s (%s)", path, ENV_VAR)
     return trace
+
+
+#: `PAGEDKV_CORE_PROFILE=<path>[:<skip>[:<count>]]`: profile `count` loop iterations of the
+#: engine core (default 150) after `skip` ones with work (default 2,000) with torch.profiler,
+#: then write the report (`profile_report`) to `<path>` and its Chrome trace to `<path>.json`.
+PROFILE_ENV_VAR = "PAGEDKV_CORE_PROFILE"
+
+
+class CoreProfile:
+    """torch.profiler over a window of the engine core's loop (see `PROFILE_ENV_VAR`)."""
+
+    def __init__(self, spec: str) -> None:
+        path, _, rest = spec.partition(":")
+        skip, _, count = rest.partition(":")
+        self.path = path
+        self.skip = int(skip or 2000)
+        self.count = int(count or 150)
+        self._seen = 0
+        self._prof = None
+
+    def tick(self) -> None:
+        """Call once per loop iteration that stepped."""
+        self._seen += 1
+        if self._seen == self.skip:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=acts)
+            self._prof.__enter__()
+        elif self._seen == self.skip + self.count and self._prof is not None:
+            self.close()
+
+    def close(self) -> None:
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return
+        prof.__exit__(None, None, None)
+        with open(self.path, "w") as f:
+            f.write(profile_report(prof))
+        prof.export_chrome_trace(self.path + ".json")
+        logger.info("profiled %d engine-core iterations: %s", self.count, self.path)
+
+
+def profile_from_env() -> CoreProfile | None:
+    spec = os.environ.get(PROFILE_ENV_VAR)
+    return CoreProfile(spec) if spec else None
+
+
+def profile_report(prof, top: int = 60) -> str:
+    """The longest single host calls of a torch.profiler run (each name at most 4 times),
+    then the table of all calls by total host time."""
+    import torch
+
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    lines = ["longest single host calls (us):"]
+    seen: dict[str, int] = {}
+    for e in sorted(events, key=lambda e: e.cpu_time_total, reverse=True):
+        n = seen.get(e.name, 0)
+        if n >= 4:
+            continue
+        seen[e.name] = n + 1
+        lines.append(f"{e.cpu_time_total:10.0f}  {e.name[:90]}")
+        if len(lines) > top:
+            break
+    lines.append(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40,
+                                           max_name_column_width=70))
+    return "\n".join(lines) + "\n"

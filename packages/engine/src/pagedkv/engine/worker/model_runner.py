@@ -112,17 +112,49 @@ def prompt_logprob_plan(out, seqs_to_check) -> PromptLogprobPlan | None:
 
 @dataclass(slots=True)
 class InFlightStep:
-    """A launched step whose tokens are on their way to the host (asynchronous scheduling)."""
+    """A launched step whose tokens are on their way to the host (asynchronous scheduling).
+
+    With rows under token masks the copy waits for `finish()`: the masks need the tokens of
+    the step before, which the engine applies after launching this one."""
 
     seqs: list  # the sampling sequences, in row order
     host: torch.Tensor  # where the argmax ids are copied (pinned on a GPU)
     ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: already there)
+    tokens: torch.Tensor | None = None  # the argmax ids on the device, until `finish()`
+    logits: torch.Tensor | None = None  # the sampling rows' logits, while masks are pending
+    masker: BatchSampler | None = None
+
+    def finish(self) -> None:
+        """Build the token masks of the masked rows (on the host, while the pass runs), take
+        their masked argmax into the ids, and start the copy of the ids to the host."""
+        tokens = self.tokens
+        if tokens is None:
+            return
+        if self.logits is not None:
+            with torch.inference_mode():  # the ids are an inference tensor
+                self.masker.mask_argmax_rows(self.seqs, self.logits, tokens)
+            self.logits = None
+        self.tokens = None
+        self.ready = start_copy(tokens, self.host)
 
     def result(self) -> RunnerOutput:
         """Wait for the tokens; the step's `RunnerOutput`."""
+        self.finish()
         if self.ready is not None:
             self.ready.synchronize()
         return BatchSampler.argmax_output(self.seqs, self.host.tolist())
+
+
+def start_copy(tokens: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
+    """Copy `tokens` into `host`: on a GPU without waiting, returning the event recorded
+    after the copy; on the CPU at once (None)."""
+    if not tokens.is_cuda:
+        host.copy_(tokens)
+        return None
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return ready
 
 
 class ModelRunner:
@@ -340,15 +372,27 @@ class ModelRunner:
             at += len(nxt)
         return out
 
+    #: `execute_async` takes greedy rows under token masks too (see `InFlightStep.finish`).
+    masks_in_flight = True
+
     @torch.inference_mode()
     def execute_async(self, out) -> InFlightStep:
-        """Launch one plain greedy step without waiting for it (asynchronous scheduling):
-        block operations, the forward pass, the argmax and the copy of the ids to the host.
-        A sequence scheduled ahead of its last token reads it here from the step launched
-        before, on the device."""
+        """Launch one greedy step without waiting for it (asynchronous scheduling): block
+        operations, the forward pass, the argmax and the copy of the ids to the host. A
+        sequence scheduled ahead of its last token reads it here from the step launched before,
+        on the device. Rows under token masks keep their logits until `InFlightStep.finish()`."""
         batch = step_batch(out)
-        tokens = self.run(batch, self.pending_tokens(batch), greedy=True)
-        return self.in_flight(out, batch, tokens)
+        seqs = out.seqs
+        if len(batch.sample_idx) != len(seqs):
+            seqs = [seqs[k] for k in batch.sample_idx]
+        pending = self.pending_tokens(batch)
+        if not any(s.group.sampling.needs_token_mask for s in seqs):
+            return self.in_flight(out, batch, self.run(batch, pending, greedy=True))
+        logits = self.run(batch, pending)
+        step = self.in_flight(out, batch, logits.argmax(dim=-1), copy=False)
+        step.logits = logits
+        step.masker = self.sampler
+        return step
 
     def pending_tokens(self, batch: StepBatch) -> PendingTokens | None:
         """Where the placeholders of `batch` read their tokens: the argmax rows of the step
@@ -359,9 +403,12 @@ class ModelRunner:
         return PendingTokens([r for r, _ in batch.placeholders],
                              [rows[sid] for _, sid in batch.placeholders], self._last_tokens)
 
-    def in_flight(self, out, batch: StepBatch, tokens: torch.Tensor) -> InFlightStep:
+    def in_flight(self, out, batch: StepBatch, tokens: torch.Tensor, copy: bool = True
+                  ) -> InFlightStep:
         """Remember the launched step's `tokens` (device, one per sampling row) for the next
-        step's placeholders and start copying them to the host."""
+        step's placeholders and start copying them to the host (`copy` False: at the step's
+        `finish()`; a masked argmax still writes into them). The next step is launched after
+        that, so its placeholders read the final tokens (one stream orders them)."""
         seqs = out.seqs
         if len(batch.sample_idx) != len(seqs):
             seqs = [seqs[k] for k in batch.sample_idx]
@@ -370,14 +417,9 @@ class ModelRunner:
         turn = self._token_turn
         self._token_turn = 1 - turn
         host = self._token_hosts[turn][: len(seqs)]
-        ready = None
-        if tokens.is_cuda:
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host.copy_(tokens)
-        return InFlightStep(seqs, host, ready)
+        if not copy:
+            return InFlightStep(seqs, host, None, tokens)
+        return InFlightStep(seqs, host, start_copy(tokens, host))
 
     def run(
         self, batch: StepBatch, pending: PendingTokens | None = None, *, greedy: bool = False,

@@ -20,6 +20,7 @@ import torch
 from pagedkv.engine.outputs import RunnerOutput
 from pagedkv.engine.structured.bitmask import apply_token_bitmask
 from pagedkv.engine.worker.sampler import Sampler, SamplingBatch, SamplingRow
+from pagedkv.engine.worker.staging import to_device
 from pagedkv.engine.worker.token_masks import TokenMasks
 
 
@@ -60,14 +61,28 @@ class BatchSampler:
         unpacked for those rows alone) which replaces theirs. The same tokens as the sampler's
         greedy path, without a sampling batch."""
         ids = logits.argmax(dim=-1)
-        built = masks.build_masked_rows(seqs)
-        if built is not None:
-            rows, bitmask = built
-            index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-            sub = logits.index_select(0, index)
-            apply_token_bitmask(sub, bitmask.to(logits.device, non_blocking=True))
-            ids.index_copy_(0, index, sub.argmax(dim=-1))
+        self._mask_rows(seqs, logits, ids, masks)
         return self.argmax_output(seqs, ids.tolist())
+
+    def mask_argmax_rows(self, seqs: Sequence, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """Replace, in the argmax `ids` of `logits`, those of the rows under token masks by
+        their masked argmax (asynchronous scheduling: `InFlightStep.finish`)."""
+        masks = self.masks
+        if masks is None or masks.vocab_size != logits.shape[1]:
+            masks = self.masks = TokenMasks(logits.shape[1], pin=logits.is_cuda)
+        self._mask_rows(seqs, logits, ids, masks)
+
+    @staticmethod
+    def _mask_rows(seqs: Sequence, logits: torch.Tensor, ids: torch.Tensor, masks: TokenMasks
+                   ) -> None:
+        built = masks.build_masked_rows(seqs)
+        if built is None:
+            return
+        rows, bitmask = built
+        index = to_device(rows, logits.device)
+        sub = logits.index_select(0, index)
+        apply_token_bitmask(sub, bitmask.to(logits.device, non_blocking=True))
+        ids.index_copy_(0, index, sub.argmax(dim=-1))
 
     def sample(self, seqs: Sequence, positions: Sequence[int], logits: torch.Tensor) -> RunnerOutput:
         """`seqs[i]` (a scheduler `Sequence`) samples the token at `positions[i]` from
