@@ -65,18 +65,52 @@ def export_tokenizer(folder: str) -> None:
     print(f"saved the embedded model's tokenizer to {folder} ({size / 1e6:.1f} MB)")
 
 
-def run_once(engine, prompts, params) -> tuple[float, int]:
+class StepTimes:
+    """Per run: the wall time of each engine step, the host time of the masked argmax's
+    `finish()` (mask building and its launches), and how many steps were scheduled ahead."""
+
+    def __init__(self) -> None:
+        self.finish_s = 0.0
+        from pagedkv.engine.worker import model_runner
+
+        orig = model_runner.InFlightStep.finish
+        times = self
+
+        def finish(step):
+            t0 = time.perf_counter()
+            try:
+                return orig(step)
+            finally:
+                times.finish_s += time.perf_counter() - t0
+
+        model_runner.InFlightStep.finish = finish
+
+
+def run_once(engine, prompts, params, times: StepTimes | None = None) -> tuple[float, int, dict]:
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"q{time.monotonic_ns()}-{i}", p, sp)
+    ahead0 = getattr(engine.scheduler, "num_scheduled_ahead", 0)
+    finish0 = times.finish_s if times else 0.0
+    steps = []
     t0 = time.perf_counter()
     tokens = 0
     while engine.has_unfinished_requests():
+        ts = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 tokens += sum(len(c.token_ids) for c in out.outputs)
+        steps.append(time.perf_counter() - ts)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, tokens
+    secs = time.perf_counter() - t0
+    detail = {
+        "steps": len(steps),
+        "scheduled_ahead": getattr(engine.scheduler, "num_scheduled_ahead", 0) - ahead0,
+        "median_step_ms": round(1e3 * sorted(steps)[len(steps) // 2], 3) if steps else None,
+        "finish_ms_per_step": round(1e3 * ((times.finish_s if times else 0.0) - finish0)
+                                    / max(len(steps), 1), 3),
+    }
+    return secs, tokens, detail
 
 
 def main() -> None:
@@ -88,7 +122,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.1, help="share of constrained requests")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU")
     args = ap.parse_args()
     if args.export_tokenizer:
@@ -131,11 +165,16 @@ def main() -> None:
     mixed = [constrained if every and i % every == 0 else plain for i in range(args.num_seqs)]
     n_constrained = sum(p is constrained for p in mixed)
 
+    times = StepTimes()
     run_once(engine, prompts[:8], [plain] * 4 + [constrained] * 4)  # warm-up (and the grammar)
     best = {"0%": None, "mixed": None}
+    rounds = {"0%": [], "mixed": []}
     for _ in range(args.rounds):
         for name, params in (("0%", [plain] * args.num_seqs), ("mixed", mixed)):
-            secs, toks = run_once(engine, prompts, params)
+            secs, toks, detail = run_once(engine, prompts, params, times)
+            rounds[name].append({"seconds": round(secs, 4), "tok_s": round(toks / secs, 1),
+                                 **detail})
+            print(f"  {name:>5}: {toks / secs:9.0f} tok/s  {detail}", flush=True)
             if best[name] is None or toks / secs > best[name][1] / best[name][0]:
                 best[name] = (secs, toks)
     base = best["0%"][1] / best["0%"][0]
@@ -152,7 +191,7 @@ def main() -> None:
         "device": device, "num_seqs": args.num_seqs, "constrained": n_constrained,
         "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds,
         "tok_s_unconstrained": round(base, 1), "tok_s_mixed": round(got, 1),
-        "loss_pct": round(loss, 2), "backend": "llguidance",
+        "loss_pct": round(loss, 2), "backend": "llguidance", "runs": rounds,
         "torch": torch.__version__, "commit": os.environ.get("PAGEDKV_COMMIT"),
     }))
 

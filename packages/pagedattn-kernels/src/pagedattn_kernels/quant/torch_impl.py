@@ -21,6 +21,9 @@ def quantize_fp8_per_token(
     scale, -448, 448))``."""
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=-1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
-    torch.clamp(amax / FP8_MAX, min=MIN_SCALE, out=scale_out)
+    # A tensor divisor: PyTorch's CUDA kernels multiply by the reciprocal of a Python scalar,
+    # one rounding more than the true quotient the Triton kernel and the reference take.
+    fp8_max = torch.full((1, 1), FP8_MAX, dtype=torch.float32, device=x.device)
+    torch.clamp(amax / fp8_max, min=MIN_SCALE, out=scale_out)
     out.copy_((xf / scale_out).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
     return out, scale_out

@@ -108,7 +108,8 @@ class StagedTables:
                     src.append(j)
         if dst:
             buf = self.buf
-            buf[host_tensor(dst)] = buf[host_tensor(src)]
+            width = max(len(self._staged[j]) for j in src)  # the rest of a row is never read
+            buf[host_tensor(dst), :width] = buf[host_tensor(src), :width]
             before = self._staged.copy()
             for i, j in zip(dst, src):
                 self._staged[i] = before[j]
