@@ -90,11 +90,39 @@ def test_gpu_greedy_matches_transformers(graph_engine, model_path, hf_generate):
 
 def test_cuda_graphs_on_and_off_identical(graph_engine, model_path):
     assert graph_engine.runner.graphs.graphs, "decode graphs should be captured"
+    assert graph_engine.runner.piecewise.chains, "piecewise graphs should be captured"
+    before = graph_engine.runner.piecewise_replays
     with_graphs = run_all(graph_engine, PROMPTS, _greedy())
+    assert graph_engine.runner.piecewise_replays > before  # the prompts' passes
     eager_engine = _engine(model_path, enforce_eager=True)
-    assert eager_engine.runner.graphs is None
+    assert eager_engine.runner.graphs is None and eager_engine.runner.piecewise is None
     eager = run_all(eager_engine, PROMPTS, _greedy())
     assert [o.outputs[0].token_ids for o in with_graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+def _staggered(engine: LLMEngine) -> dict[str, list[int]]:
+    """The prompts arriving one every three steps, so that prompt chunks ride along with
+    running decodes (mixed passes through the piecewise graphs, with asynchronous scheduling)."""
+    finals: dict[str, list[int]] = {}
+    step = 0
+    while step < 3 * len(PROMPTS) or engine.has_unfinished_requests():
+        if step % 3 == 0 and step // 3 < len(PROMPTS):
+            engine.add_request(f"s{step // 3}", PROMPTS[step // 3], _greedy(24))
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return finals
+
+
+def test_piecewise_graphs_for_mixed_passes_match_eager(graph_engine, model_path):
+    runner = graph_engine.runner
+    before = (runner.piecewise_replays, runner.eager_passes)
+    got = _staggered(graph_engine)
+    assert runner.piecewise_replays - before[0] >= len(PROMPTS)
+    assert runner.eager_passes == before[1]  # every pass with a prompt chunk was replayed
+    want = _staggered(_engine(model_path, enforce_eager=True))
+    assert got == want
 
 
 def test_gpu_preemption_swap_and_recompute_identical(graph_engine, model_path):

@@ -1,6 +1,8 @@
 """The decode-graph input path (static buffers, host staging, packed block tables, padding
 rows) on the CPU: a stand-in "graph" runs the model on the static buffers exactly as a captured
-CUDA graph would, and its logits must equal the eager path's for the same batch."""
+CUDA graph would, and its logits must equal the eager path's for the same batch. Likewise the
+piecewise graphs of batches with prompt chunks: every op but attention on the padded rows of the
+static inputs, attention on the real rows between them."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, slot_mapping
 from pagedkv.engine.worker.model_runner import ModelRunner
+from pagedkv.engine.worker.piecewise_graphs import PiecewiseGraphs, piecewise_token_sizes
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -59,10 +62,11 @@ def _batch(seqs, sample) -> StepBatch:
 
 def _eager(r: ModelRunner, batch: StepBatch) -> torch.Tensor:
     graphs, r.graphs = r.graphs, None
+    piecewise, r.piecewise = r.piecewise, None
     try:
         return r.run(batch)
     finally:
-        r.graphs = graphs
+        r.graphs, r.piecewise = graphs, piecewise
 
 
 def _both_paths(r: ModelRunner, seqs, sample) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,3 +157,58 @@ def test_graph_batch_sizes_cover_every_batch(max_num_seqs, expected_top, expecte
     for n in range(9, expected_top + 1):
         b = min(s for s in sizes if s >= n)
         assert b - n <= max(15, n // 8)
+
+
+def test_piecewise_sizes_and_buckets(runner: ModelRunner) -> None:
+    assert piecewise_token_sizes(4096) == [64, 128, 192, 256, 320, 384, 448, 512, 768, 1024,
+                                           1536, 2048]
+    assert piecewise_token_sizes(300) == [64, 128, 192, 256]
+    assert piecewise_token_sizes(32) == []
+    pw = PiecewiseGraphs(runner.model, runner.kv_caches, sizes=[128, 64], device=runner.device,
+                         dtype=torch.float32)
+    assert pw.size_for(10) is None  # nothing captured
+    pw.chains = dict.fromkeys(pw.sizes)
+    assert [pw.size_for(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, None]
+
+
+def test_piecewise_chains_give_the_eager_logits(runner: ModelRunner, monkeypatch) -> None:
+    """A batch of decodes and prompt chunks padded to a bucket: the split pass (every op but
+    attention on all the bucket's rows, stale rows from a larger pass before it included;
+    attention on the real rows into the static output) gives the eager logits, and so does a
+    smaller pass after it; a pass larger than every bucket runs eagerly."""
+    rng = random.Random(3)
+    pw = PiecewiseGraphs(runner.model, runner.kv_caches, sizes=[64, 128], device=runner.device,
+                         dtype=torch.float32)
+    pw.chains = dict.fromkeys(pw.sizes)  # no capture on the CPU: run the chain's ops eagerly
+    monkeypatch.setattr(pw, "run_chain", pw.forward_split)
+    pw.ids.fill_(7)
+    pw.pos.fill_(3)
+    blocks = list(range(runner.num_gpu_blocks))
+    rng.shuffle(blocks)
+    contexts = []
+    for i in range(4):  # contexts of 4 sequences, then 2 decodes and 2 chunks in one pass
+        n = rng.randrange(10, 30)
+        contexts.append(([rng.randrange(3, 1000) for _ in range(n)], blocks[i * 12 : i * 12 + 12]))
+    _eager(runner, _batch([(t, 0, table) for t, table in contexts], []))
+    passes = [
+        [([5], len(contexts[0][0]), contexts[0][1]), ([9], len(contexts[1][0]), contexts[1][1]),
+         ([rng.randrange(3, 1000) for _ in range(40)], len(contexts[2][0]), contexts[2][1]),
+         ([rng.randrange(3, 1000) for _ in range(30)], len(contexts[3][0]), contexts[3][1])],
+        [([11], len(contexts[0][0]), contexts[0][1]),
+         ([rng.randrange(3, 1000) for _ in range(20)], len(contexts[1][0]), contexts[1][1])],
+    ]
+    runner.piecewise = pw
+    try:
+        for seqs, bucket in zip(passes, (128, 64)):
+            assert pw.size_for(sum(len(t) for t, _, _ in seqs)) == bucket
+            before = runner.piecewise_replays
+            eager, split = _both_paths(runner, seqs, range(len(seqs)))
+            assert runner.piecewise_replays == before + 1
+            torch.testing.assert_close(split, eager, rtol=0, atol=1e-5)
+        big = [([rng.randrange(3, 1000) for _ in range(70)], 0, blocks[60:70]),
+               ([rng.randrange(3, 1000) for _ in range(70)], 0, blocks[70:80])]
+        before = runner.piecewise_replays
+        runner.run(_batch(big, [0, 1]))
+        assert runner.piecewise_replays == before
+    finally:
+        runner.piecewise = None

@@ -16,12 +16,31 @@ ignores them and runs exactly as before.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import pagedattn_kernels
+
+#: Set while `worker.piecewise_graphs` captures a forward pass piece by piece: every
+#: `Attention` call goes to it instead (see `graph_breaks`).
+_graph_break: Callable | None = None
+
+
+@contextlib.contextmanager
+def graph_breaks(fn: Callable) -> Iterator[None]:
+    """Within this block each `Attention.forward(query, key, value, kv_cache, meta)` returns
+    `fn(layer, query, key, value, kv_cache)` instead of attending: the piecewise CUDA graphs
+    end a graph there and run attention eagerly between graphs."""
+    global _graph_break
+    prev, _graph_break = _graph_break, fn
+    try:
+        yield
+    finally:
+        _graph_break = prev
 
 
 @dataclass(slots=True)
@@ -88,9 +107,15 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`out`: a `[T, num_heads * head_dim]` (or 3-d) buffer to write into."""
+        if _graph_break is not None:
+            return _graph_break(self, query, key, value, kv_cache)
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
+        if out is not None:
+            out = out.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
@@ -109,11 +134,13 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 scale=self.scale,
                 max_seq_len=meta.max_seq_len,
+                out=out,
                 **scales,
             )
         elif meta.num_decode_seqs:
             nd = meta.num_decode_seqs
-            out = torch.empty_like(query)
+            if out is None:
+                out = torch.empty_like(query)
             pagedattn_kernels.paged_decode_attention(
                 query[:nd],
                 key_cache,
@@ -149,6 +176,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
+                out=out,
                 **scales,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -11,7 +11,6 @@ import torch
 
 from pagedattn_kernels.common import (
     FP8_DTYPE,
-    is_interpreted,
     kernels_for,
     next_power_of_2,
     scale_or_unit,
@@ -42,7 +41,7 @@ def reshape_and_cache(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1], KV_FP8=key_cache.dtype == FP8_DTYPE,
-        EXACT_CAST=not is_interpreted(kernel), num_warps=4,
+        num_warps=4,
     )  # fmt: skip
 
 

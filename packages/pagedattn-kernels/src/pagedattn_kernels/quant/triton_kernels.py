@@ -3,10 +3,11 @@
 
 A program reads its row twice, a chunk at a time: once for the largest magnitude, once to
 divide and store (the second read comes from L2; a Llama-3-8B row is at most 28 KB). The
-division is IEEE (``div_rn``) and the cast rounds to nearest even, as the torch path does;
-under Triton's interpreter, whose fp32 -> fp8 cast drops a mantissa carry, the value is put
-on the e4m3 grid first (``pagedattn_kernels.cache.triton_kernels._e4m3_grid``'s arithmetic,
-repeated here because a kernel module holds its own helpers). Like every kernel module here,
+division is IEEE (``div_rn``) and the value is rounded onto the e4m3 grid (nearest, ties to
+even) before the cast, which is then exact, as the torch path rounds: neither the
+interpreter's cast nor the compiled one on an H200 rounds every value so (see
+``pagedattn_kernels.cache.triton_kernels``, whose ``_e4m3_grid`` arithmetic is repeated here
+because a kernel module holds its own helpers). Like every kernel module here,
 this file is loaded twice when both compiled and interpreted kernels are needed and calls only
 Triton builtins (see ``attention/triton_kernels.py``).
 """
@@ -36,7 +37,6 @@ def quantize_fp8_per_token_kernel(
     stride_o,
     min_scale,
     BLOCK: tl.constexpr,
-    EXACT_CAST: tl.constexpr,
 ):
     """Grid: (rows,). ``scale = max(amax / 448, min_scale)``; ``out = e4m3(clamp(x / scale))``."""
     row = tl.program_id(0).to(tl.int64)
@@ -55,6 +55,4 @@ def quantize_fp8_per_token_kernel(
         mask = start + c < cols
         x = tl.load(x_row + start + c, mask=mask, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        if not EXACT_CAST:
-            y = _e4m3_grid(y)
-        tl.store(o_row + start + c, y.to(tl.float8e4nv), mask=mask)
+        tl.store(o_row + start + c, _e4m3_grid(y).to(tl.float8e4nv), mask=mask)

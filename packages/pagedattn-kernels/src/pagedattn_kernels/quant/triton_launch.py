@@ -30,6 +30,6 @@ def quantize_fp8_per_token(
     block = next_power_of_2(cols) if interpreted else min(2048, next_power_of_2(cols))
     kernel[(rows,)](
         x, out, scale_out, cols, x.stride(0), out.stride(0), MIN_SCALE,
-        BLOCK=block, EXACT_CAST=not interpreted, num_warps=8 if block >= 2048 else 4,
+        BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return out, scale_out

@@ -5,7 +5,8 @@ sampled tokens.
 
 1. swap and copy blocks as the scheduler planned (swap out, swap in, copy-on-write);
 2. build the flat batch — token ids, positions, slot mapping, block tables, per-sequence
-   lengths — for the mixed prefill/decode batch (a decode batch replays a CUDA graph);
+   lengths — for the mixed prefill/decode batch (a decode batch replays a CUDA graph, a batch
+   with a prompt chunk a chain of graphs cut at attention: `piecewise_graphs`);
 3. run the model once and compute the logits of the sequences that sample (and of the prompt
    positions of requests that asked for `prompt_logprobs`);
 4. sample (an argmax for plain greedy batches; otherwise the token masks are computed on the
@@ -38,6 +39,7 @@ from pagedkv.engine.models.quantization import is_quantized, quantization_of
 from pagedkv.engine.outputs import PositionLogprobs, RunnerOutput
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, step_batch
+from pagedkv.engine.worker.piecewise_graphs import PiecewiseGraphs, piecewise_token_sizes
 from pagedkv.engine.worker.sampler import prompt_logprobs
 from pagedkv.engine.worker.sampling import BatchSampler
 from pagedkv.engine.worker.staging import to_device
@@ -212,6 +214,15 @@ class ModelRunner:
                 max_num_seqs=args.max_num_seqs, device=device,
             )
             self.graphs.capture()
+        # Batches with a prompt chunk: piecewise graphs (one GPU; not yet over tensor-parallel
+        # ranks, which would have to capture and replay the same chains in step).
+        self.piecewise: PiecewiseGraphs | None = None
+        sizes = piecewise_token_sizes(self.max_num_batched_tokens)
+        if self.graphs is not None and args.tensor_parallel_size == 1 and sizes:
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, sizes=sizes,
+                                             device=device, dtype=self.dtype)
+            self.piecewise.capture()
+        self.piecewise_replays = 0
         # Asynchronous scheduling: the argmax of the step launched last, on the device, and
         # the row of each sampling sequence in it; two host buffers for the ids, used in turn.
         self._last_tokens: torch.Tensor | None = None
@@ -313,6 +324,8 @@ class ModelRunner:
         graphs that captured its collectives are alive."""
         if self.graphs is not None:
             self.graphs.release()
+        if self.piecewise is not None:
+            self.piecewise.release()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -454,8 +467,14 @@ class ModelRunner:
         if pending is not None:
             pending.write_into(inputs.input_ids)
         self._begin_span()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        self.eager_passes += 1
+        piecewise = self.piecewise
+        t = piecewise.size_for(inputs.input_ids.shape[0]) if piecewise is not None else None
+        if t is not None:
+            hidden = piecewise.replay(inputs.input_ids, inputs.positions, inputs.meta, t)
+            self.piecewise_replays += 1
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            self.eager_passes += 1
         if not batch.sample_idx and not prompt_rows:
             logits = (hidden.new_empty(0, dtype=torch.long) if greedy else
                       hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32))
