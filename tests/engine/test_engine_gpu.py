@@ -119,8 +119,9 @@ def test_piecewise_graphs_for_mixed_passes_match_eager(graph_engine, model_path)
     runner = graph_engine.runner
     before = (runner.piecewise_replays, runner.eager_passes)
     got = _staggered(graph_engine)
-    assert runner.piecewise_replays - before[0] >= len(PROMPTS)
-    assert runner.eager_passes == before[1]  # every pass with a prompt chunk was replayed
+    # every pass with a prompt chunk was replayed (two prompts may share a pass)
+    assert runner.piecewise_replays - before[0] >= len(PROMPTS) // 2
+    assert runner.eager_passes == before[1]
     want = _staggered(_engine(model_path, enforce_eager=True))
     assert got == want
 
