@@ -198,6 +198,37 @@ def test_greedy_requests_under_token_masks_run_ahead_with_the_same_tokens(make_e
     assert ran_ahead > 10, f"only {ran_ahead} steps were scheduled ahead"
 
 
+def test_a_mask_that_fails_in_flight_ends_its_batch_not_the_engine(make_engine, monkeypatch):
+    """A token mask that cannot be built for a pass scheduled ahead: that batch's requests end
+    as aborted, their blocks are freed, and the engine serves the next request."""
+    from pagedkv.engine.structured import StructuredOutputsParams as SO
+    from pagedkv.engine.worker.token_masks import TokenMasks
+
+    engine = make_engine(True)
+    build = TokenMasks.build_masked_rows
+    calls = {"n": 0}
+
+    def flaky(self, seqs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("mask failed")
+        return build(self, seqs)
+
+    monkeypatch.setattr(TokenMasks, "build_masked_rows", flaky)
+    finals = run(engine, [greedy(30, structured_outputs=SO(regex=r"[a-z ]+")),
+                          greedy(30, ignore_eos=True)] + [greedy(4, ignore_eos=True)] * 4)
+    assert calls["n"] >= 5
+    assert finals["r0"][1] == "abort" and finals["r1"][1] == "abort"
+    assert engine.scheduler.num_scheduled_ahead > 0
+    monkeypatch.setattr(TokenMasks, "build_masked_rows", build)
+    engine.add_request("after", "Hi", greedy(5, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5]
+    assert engine.get_stats().gpu_kv_usage == 0.0
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_dropped_engine_is_freed_at_once(make_engine, async_scheduling):
     """No reference cycle keeps an engine (its KV cache, on a GPU its weights too) alive after

@@ -86,7 +86,12 @@ class AsyncScheduling:
         if self.in_flight is not None:
             # Token masks (structured output) need the tokens just applied: they are built now,
             # while the pass launched above still runs on the device.
-            self.in_flight[1].finish()
+            try:
+                self.in_flight[1].finish()
+            except Exception:  # a mask that could not be built: that batch ends, not the engine
+                failed, self.in_flight = self.in_flight, None
+                engine.abort_batch(failed[0])
+                return results
         if self.in_flight is not None and not sched.has_unfinished():
             # Every request ended with the step just applied: the pass in flight only computed
             # rows to be ignored. Apply it now, so that the scheduler is idle between calls.
