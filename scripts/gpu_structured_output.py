@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from phase_clock import PhaseClock
 
 SCHEMA = {
     "type": "object",
@@ -65,32 +66,13 @@ def export_tokenizer(folder: str) -> None:
     print(f"saved the embedded model's tokenizer to {folder} ({size / 1e6:.1f} MB)")
 
 
-class StepTimes:
-    """Per run: the wall time of each engine step, the host time of the masked argmax's
-    `finish()` (mask building and its launches), and how many steps were scheduled ahead."""
-
-    def __init__(self) -> None:
-        self.finish_s = 0.0
-        from pagedkv.engine.worker import model_runner
-
-        orig = model_runner.InFlightStep.finish
-        times = self
-
-        def finish(step):
-            t0 = time.perf_counter()
-            try:
-                return orig(step)
-            finally:
-                times.finish_s += time.perf_counter() - t0
-
-        model_runner.InFlightStep.finish = finish
-
-
-def run_once(engine, prompts, params, times: StepTimes | None = None) -> tuple[float, int, dict]:
+def run_once(engine, prompts, params, times: PhaseClock | None = None
+             ) -> tuple[float, int, dict]:
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"q{time.monotonic_ns()}-{i}", p, sp)
     ahead0 = getattr(engine.scheduler, "num_scheduled_ahead", 0)
-    finish0 = times.finish_s if times else 0.0
+    if times is not None:
+        times.take()
     steps = []
     t0 = time.perf_counter()
     tokens = 0
@@ -107,7 +89,7 @@ def run_once(engine, prompts, params, times: StepTimes | None = None) -> tuple[f
         "steps": len(steps),
         "scheduled_ahead": getattr(engine.scheduler, "num_scheduled_ahead", 0) - ahead0,
         "median_step_ms": round(1e3 * sorted(steps)[len(steps) // 2], 3) if steps else None,
-        "finish_ms_per_step": round(1e3 * ((times.finish_s if times else 0.0) - finish0)
+        "finish_ms_per_step": round(1e3 * (times.take().get("finish", 0.0) if times else 0.0)
                                     / max(len(steps), 1), 3),
     }
     return secs, tokens, detail
@@ -133,6 +115,7 @@ def main() -> None:
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.sampling_params import SamplingParams
     from pagedkv.engine.structured import StructuredOutputsParams
+    from pagedkv.engine.worker.model_runner import InFlightStep
 
     tmp = tempfile.TemporaryDirectory()
     tokenizer = args.tokenizer
@@ -165,7 +148,9 @@ def main() -> None:
     mixed = [constrained if every and i % every == 0 else plain for i in range(args.num_seqs)]
     n_constrained = sum(p is constrained for p in mixed)
 
-    times = StepTimes()
+    # the masked argmax's host work (mask building and its launches) per step
+    times = PhaseClock()
+    times.wrap(InFlightStep, "finish", "finish")
     run_once(engine, prompts[:8], [plain] * 4 + [constrained] * 4)  # warm-up (and the grammar)
     best = {"0%": None, "mixed": None}
     rounds = {"0%": [], "mixed": []}

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from phase_clock import PhaseClock
 
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
@@ -107,39 +108,17 @@ def build_engine(folder: Path, max_num_seqs: int, eager: bool, overlap: bool) ->
     return engine
 
 
-class _Timers:
-    """Wraps the engine's per-step calls with perf_counter timers (instance attributes, so the
-    engine's own code calls the wrappers)."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.acc = dict.fromkeys(PARTS, 0.0)
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        if hasattr(engine.scheduler, "schedule_ahead"):  # an AsyncScheduler
-            self._wrap(engine.scheduler, "schedule_ahead", "schedule")
-        self._wrap(engine.runner, "run", "execute")
-        self._wrap(engine.runner, "sample", "sample")
-        self._wrap(InFlightStep, "result", "sample")
-        self._wrap(engine.scheduler, "update", "update")
-
-    def _wrap(self, obj, name: str, part: str) -> None:
-        fn = getattr(obj, name)
-        acc = self.acc
-        clock = time.perf_counter
-
-        def timed(*a, **kw):
-            t0 = clock()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[part] += clock() - t0
-
-        setattr(obj, name, timed)
-
-    def reset(self) -> dict[str, float]:
-        out = dict(self.acc)
-        for k in self.acc:
-            self.acc[k] = 0.0
-        return out
+def _timers(engine: LLMEngine) -> PhaseClock:
+    """The engine's per-step calls timed into `PARTS` (instance attributes, so the engine's own
+    code calls the wrappers)."""
+    timers = PhaseClock(PARTS)
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(engine.scheduler, "schedule_ahead", "schedule")  # an AsyncScheduler
+    timers.wrap(engine.runner, "run", "execute")
+    timers.wrap(engine.runner, "sample", "sample")
+    timers.wrap(InFlightStep, "result", "sample")
+    timers.wrap(engine.scheduler, "update", "update")
+    return timers
 
 
 def measure(num_seqs: int, context: int, steps: int, rounds: int, eager: bool, overlap: bool,
@@ -166,7 +145,7 @@ def measure(num_seqs: int, context: int, steps: int, rounds: int, eager: bool, o
     for _ in range(5):
         engine.step()  # warm-up decodes
 
-    timers = _Timers(engine)
+    timers = _timers(engine)
     prof = cProfile.Profile() if profile else None
     clock = time.perf_counter
     best = None
@@ -181,7 +160,7 @@ def measure(num_seqs: int, context: int, steps: int, rounds: int, eager: bool, o
             elapsed = clock() - t0
             if prof is not None:
                 prof.disable()
-            split = timers.reset()
+            split = timers.take()
             split["engine"] = elapsed - sum(split.values())
             per_step.append(elapsed)
             parts.append(split)

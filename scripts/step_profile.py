@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import logging
 import random
@@ -29,43 +28,16 @@ import statistics
 import time
 
 import torch
+from phase_clock import PhaseClock
 
 from pagedkv.bench.workloads import make_requests
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.core.step_trace import profile_report
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.worker import model_runner as mr
 
 logger = logging.getLogger("step_profile")
-
-
-class PhaseClock:
-    """Wraps methods so that each call adds its host time to the current step's phase."""
-
-    def __init__(self) -> None:
-        self.now: dict[str, float] = collections.defaultdict(float)
-
-    def wrap(self, obj, name: str, phase: str) -> None:
-        fn = getattr(obj, name, None)
-        if fn is None:  # e.g. no asynchronous scheduling on the CPU
-            return
-        clock = time.perf_counter
-        acc = self.now
-
-        @functools.wraps(fn)
-        def timed(*a, **k):
-            t0 = clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[phase] += clock() - t0
-
-        setattr(obj, name, timed)
-
-    def take(self) -> dict[str, float]:
-        d = {k: round(v * 1e3, 4) for k, v in self.now.items()}
-        self.now.clear()
-        return d
 
 
 def main() -> None:
@@ -84,38 +56,15 @@ def main() -> None:
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     runner, sched = engine.runner, engine.scheduler
     clock = PhaseClock()
-    clock.wrap(sched, "schedule_ahead", "schedule_ahead")
-    clock.wrap(sched, "schedule", "schedule")
-    clock.wrap(runner, "execute_async", "launch")
-    clock.wrap(runner, "execute", "execute_plain")
-    if runner.graphs is not None:
-        clock.wrap(runner.graphs, "replay", "launch.replay")
-    clock.wrap(runner, "greedy_tokens", "launch.logits_argmax")
-    clock.wrap(runner, "in_flight", "launch.in_flight")
-    clock.wrap(sched, "update", "update")
-    clock.wrap(engine.outputs, "process", "outputs")
-    import pagedkv.engine.worker.model_runner as mr
-
-    orig_build = mr.build_inputs
-
-    def build_inputs(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return orig_build(*a, **k)
-        finally:
-            clock.now["launch.build_inputs"] += time.perf_counter() - t0
-
-    mr.build_inputs = build_inputs
-    orig_result = mr.InFlightStep.result
-
-    def result(self):
-        t0 = time.perf_counter()
-        try:
-            return orig_result(self)
-        finally:
-            clock.now["wait"] += time.perf_counter() - t0
-
-    mr.InFlightStep.result = result
+    for obj, name, phase in (
+        (sched, "schedule_ahead", "schedule_ahead"), (sched, "schedule", "schedule"),
+        (runner, "execute_async", "launch"), (runner, "execute", "execute_plain"),
+        (runner.graphs, "replay", "launch.replay"), (mr, "build_inputs", "launch.build_inputs"),
+        (runner, "greedy_tokens", "launch.logits_argmax"),
+        (runner, "in_flight", "launch.in_flight"), (mr.InFlightStep, "result", "wait"),
+        (sched, "update", "update"), (engine.outputs, "process", "outputs"),
+    ):
+        clock.wrap(obj, name, phase)
 
     specs = make_requests(args.workload, args.rate, duration=args.duration, seed=0,
                           max_total=int(engine.model_config.max_model_len))
@@ -157,7 +106,7 @@ def main() -> None:
         with torch.profiler.record_function("engine_step"):
             engine.step()
         t1 = time.perf_counter()
-        row = clock.take()
+        row = {k: round(v * 1e3, 4) for k, v in clock.take().items()}
         row.update(t=t1 - start, step_ms=(t1 - t0) * 1e3, added=added,
                    running=sched.num_running, waiting=sched.num_waiting)
         steps.append(row)
@@ -188,7 +137,7 @@ def summarize(steps: list[dict]) -> None:
     groups = collections.defaultdict(list)
     for i in range(1, len(steps)):
         s, prev = steps[i], steps[i - 1]
-        kind = "prefill/plain" if "launch.build_inputs" in s or "execute_plain" in s else (
+        kind = "prefill/plain" if s.get("launch.build_inputs") or s.get("execute_plain") else (
             "decode, batch changed" if s["running"] != prev["running"] or s["added"] else
             "decode, same batch")
         groups[kind].append(s)

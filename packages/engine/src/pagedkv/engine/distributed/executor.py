@@ -63,7 +63,12 @@ from pagedkv.engine.distributed.worker import (
 )
 from pagedkv.engine.outputs import RunnerOutput
 from pagedkv.engine.worker.inputs import StepBatch, step_batch
-from pagedkv.engine.worker.model_runner import InFlightStep, ModelRunner, PendingTokens
+from pagedkv.engine.worker.model_runner import (
+    InFlightStep,
+    ModelRunner,
+    PendingTokens,
+    sampling_seqs,
+)
 from pagedkv.engine.worker.sampling import BatchSampler
 
 logger = logging.getLogger(__name__)
@@ -441,9 +446,7 @@ class TensorParallelRunner:
         if plan is not None:  # refused when the request is prepared (see LLMEngine)
             raise ValueError("prompt_logprobs is not supported with tensor parallelism yet")
         if plain:
-            seqs = out.seqs
-            if len(batch.sample_idx) != len(seqs):
-                seqs = [seqs[k] for k in batch.sample_idx]
+            seqs = sampling_seqs(out, batch)
             return self._guard(lambda: BatchSampler.argmax_output(
                 seqs, self._launch(out, batch, Mode.TOKENS).tolist()))
         return self._guard(lambda: self.local.sample(

@@ -147,6 +147,14 @@ class InFlightStep:
         return BatchSampler.argmax_output(self.seqs, self.host.tolist())
 
 
+def sampling_seqs(out, batch: StepBatch) -> list:
+    """The sequences of `out` that sample in `batch`, in row order."""
+    seqs = out.seqs
+    if len(batch.sample_idx) != len(seqs):
+        seqs = [seqs[k] for k in batch.sample_idx]
+    return seqs
+
+
 def start_copy(tokens: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
     """Copy `tokens` into `host`: on a GPU without waiting, returning the event recorded
     after the copy; on the CPU at once (None)."""
@@ -395,11 +403,8 @@ class ModelRunner:
         sequence scheduled ahead of its last token reads it here from the step launched before,
         on the device. Rows under token masks keep their logits until `InFlightStep.finish()`."""
         batch = step_batch(out)
-        seqs = out.seqs
-        if len(batch.sample_idx) != len(seqs):
-            seqs = [seqs[k] for k in batch.sample_idx]
         pending = self.pending_tokens(batch)
-        if not any(s.group.sampling.needs_token_mask for s in seqs):
+        if not any(s.group.sampling.needs_token_mask for s in sampling_seqs(out, batch)):
             return self.in_flight(out, batch, self.run(batch, pending, greedy=True))
         logits = self.run(batch, pending)
         step = self.in_flight(out, batch, logits.argmax(dim=-1), copy=False)
@@ -422,9 +427,7 @@ class ModelRunner:
         step's placeholders and start copying them to the host (`copy` False: at the step's
         `finish()`; a masked argmax still writes into them). The next step is launched after
         that, so its placeholders read the final tokens (one stream orders them)."""
-        seqs = out.seqs
-        if len(batch.sample_idx) != len(seqs):
-            seqs = [seqs[k] for k in batch.sample_idx]
+        seqs = sampling_seqs(out, batch)
         self._last_tokens = tokens
         self._last_rows = {s.seq_id: r for r, s in enumerate(seqs)}
         turn = self._token_turn

@@ -67,10 +67,14 @@ class BatchSampler:
     def mask_argmax_rows(self, seqs: Sequence, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """Replace, in the argmax `ids` of `logits`, those of the rows under token masks by
         their masked argmax (asynchronous scheduling: `InFlightStep.finish`)."""
+        self._mask_rows(seqs, logits, ids, self._masks_for(logits))
+
+    def _masks_for(self, logits: torch.Tensor) -> TokenMasks:
+        """The bitmask builder for `logits`' vocabulary (made again if it changed)."""
         masks = self.masks
         if masks is None or masks.vocab_size != logits.shape[1]:
             masks = self.masks = TokenMasks(logits.shape[1], pin=logits.is_cuda)
-        self._mask_rows(seqs, logits, ids, masks)
+        return masks
 
     @staticmethod
     def _mask_rows(seqs: Sequence, logits: torch.Tensor, ids: torch.Tensor, masks: TokenMasks
@@ -89,9 +93,7 @@ class BatchSampler:
         `logits[i]`."""
         if self.all_plain_greedy(seqs):
             return self.argmax_output(seqs, logits.argmax(dim=-1).tolist())
-        masks = self.masks
-        if masks is None or masks.vocab_size != logits.shape[1]:
-            masks = self.masks = TokenMasks(logits.shape[1], pin=logits.is_cuda)
+        masks = self._masks_for(logits)
         if all(map(_greedy, seqs)):
             return self.masked_argmax(seqs, logits, masks)
         bitmask = masks.build(seqs)
