@@ -84,10 +84,24 @@ def run_all(engine: LLMEngine, prompts: list, max_tokens: int = NEW_TOKENS,
     return [finals[f"{tag}{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Fraction of positions where two greedy runs chose the same token."""
-    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-    return same / sum(len(r) for r in a)
+def teacher_forced_top1(engine: LLMEngine, prompts: list[str], reference: list[list[int]]) -> float:
+    """Fraction of the reference's tokens that ``engine`` ranks first, each prompt followed by
+    the reference's tokens scored in one prefill (``prompt_logprobs=0``)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    lengths = {}
+    for i, (prompt, ref) in enumerate(zip(prompts, reference, strict=True)):
+        ids = list(engine.prepare_request(prompt, params).prompt_token_ids)
+        lengths[f"tf-{i}"] = len(ids)
+        engine.add_request(f"tf-{i}", ids + ref, params)
+    hits = total = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ref = reference[int(out.request_id[3:])]
+                scored = out.prompt_logprobs[lengths[out.request_id]:]
+                hits += sum(lp[tok].rank == 1 for tok, lp in zip(ref, scored, strict=True))
+                total += len(ref)
+    return hits / total
 
 
 # --------------------------------------------------------------------------- options
@@ -520,7 +534,11 @@ def test_gpu_fp8_cache_and_weights_with_graphs(gpu_model_path):
     x = torch.zeros(4, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16)
     assert uses_scaled_mm(x, layer.weight), "an H200 multiplies fp8 on its tensor cores"
     assert all(len(t) == NEW_TOKENS for t in got)
-    assert agreement(got, want) >= 0.5, f"agreement {agreement(got, want):.2f}"
+    # Free-running outputs part for good after one close call, so the fp8 engine is asked
+    # instead whether bf16's token is its own first choice, given bf16's history. (The
+    # embedded model, 64 prompts on an H200: 0.91; bench.fp8_accuracy's teacher_forced_top1.)
+    top1 = teacher_forced_top1(fp8, PROMPTS, want)
+    assert top1 >= 0.75, f"teacher-forced top-1 {top1:.2f}"
 
 
 @pytest.mark.gpu
