@@ -15,6 +15,7 @@ from pagedattn_kernels.testing import (
     ATTENTION_CASES,
     TOLERANCE,
     attention_case_id,
+    own_rows,
     poisoned_like,
     random_paged_batch,
     rel_error,
@@ -143,3 +144,77 @@ def test_block_order_does_not_matter(target, seed):
         backend=target.backend,
     )  # fmt: skip
     assert torch.allclose(first, moved, rtol=1e-5, atol=1e-6), f"seed={seed}"
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, F32), (80, F32), (128, BF16)])
+def test_own_keys_from_the_new_rows(target, seed, head_dim, dtype):
+    """Given the step's own keys and values (``key``/``value``), the kernel reads each chunk's
+    own keys from those rows and only the earlier context from the cache: the same attention
+    (the tiles split at the context's end, so the sums differ only in rounding)."""
+    gen = target.generator(seed)
+    block_size = 16
+    lens, q_lens = _mixed_batch(block_size, target.full)
+    batch = random_paged_batch(
+        gen, lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, device=target.device,
+    )  # fmt: skip
+    args = (
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.cu_query_lens,
+    )  # fmt: skip
+    key = own_rows(batch.key_cache, batch.block_tables, lens, q_lens)
+    value = own_rows(batch.value_cache, batch.block_tables, lens, q_lens)
+    ref = reference.paged_attention(*args)
+    out = pk.paged_attention(*args, out=poisoned_like(batch.query), key=key, value=value,
+                             backend=target.backend)  # fmt: skip
+    assert rel_error(out, ref) < TOLERANCE[dtype], f"seed={seed}"
+    # Keys from a strided view (a fused QKV projection's output): the same.
+    wide = torch.zeros(key.shape[0], 3, *key.shape[1:], dtype=dtype, device=target.device)
+    wide[:, 1], wide[:, 2] = key, value
+    again = pk.paged_attention(*args, key=wide[:, 1], value=wide[:, 2], backend=target.backend)
+    assert torch.equal(again, out), f"seed={seed}"
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_own_keys_by_pointer_and_by_descriptor(seed, tma):
+    """Both ways the Triton kernel reads the new rows (pointers; tensor descriptors, which an
+    H200 serves with TMA), run in the interpreter: the reference's attention."""
+    from pagedattn_kernels.attention import triton_launch
+
+    gen = torch.Generator().manual_seed(seed)
+    lens, q_lens = _mixed_batch(16, False)
+    batch = random_paged_batch(gen, lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=32,
+                               block_size=16, dtype=F32)  # fmt: skip
+    args = (
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.cu_query_lens,
+    )  # fmt: skip
+    key = own_rows(batch.key_cache, batch.block_tables, lens, q_lens)
+    value = own_rows(batch.value_cache, batch.block_tables, lens, q_lens)
+    out = poisoned_like(batch.query)
+    triton_launch.paged_attention(*args, 32**-0.5, out, key=key, value=value, tma=tma)
+    assert rel_error(out, reference.paged_attention(*args)) < TOLERANCE[F32], f"seed={seed}"
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda k, v, kc: (k, None), "give both"),
+        (lambda k, v, kc: (k[:-1], v[:-1]), "must have shape"),
+        (lambda k, v, kc: (k.double(), v.double()), "caches are torch.float32"),
+        (lambda k, v, kc: (torch.stack([k, k], -1)[..., 0], v), "unit stride"),
+    ],
+)  # fmt: skip
+def test_bad_new_rows_are_refused(change, match):
+    gen = torch.Generator().manual_seed(0)
+    batch = random_paged_batch(gen, [20, 7], [20, 3], num_heads=2, num_kv_heads=1, head_dim=16,
+                               block_size=8, dtype=F32)  # fmt: skip
+    key = own_rows(batch.key_cache, batch.block_tables, [20, 7], [20, 3])
+    value = own_rows(batch.value_cache, batch.block_tables, [20, 7], [20, 3])
+    out = poisoned_like(batch.query)
+    before = out.clone()
+    k, v = change(key, value, batch.key_cache)
+    with pytest.raises(ValueError, match=match):
+        pk.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                           batch.seq_lens, batch.cu_query_lens, out=out, key=k, value=v)  # fmt: skip
+    assert torch.equal(out.view(torch.int32), before.view(torch.int32))  # nothing written

@@ -247,11 +247,11 @@ def check_kv_scales(
 def check_fp8_triton(op: str, device: torch.device) -> None:
     """The Triton kernels convert fp8 e4m3 in hardware from compute capability 8.9 (Ada,
     Hopper) on; the interpreter (CPU tensors) converts on any machine."""
-    if device.type == "cuda" and _capability(device) < (8, 9):
+    if device.type == "cuda" and capability(device) < (8, 9):
         raise fail(
             op,
             f"fp8 caches need a GPU of compute capability 8.9 or newer for the Triton kernels "
-            f"(this one is {_capability(device)}); use backend='torch' or a float cache",
+            f"(this one is {capability(device)}); use backend='torch' or a float cache",
         )
 
 
@@ -260,7 +260,7 @@ def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 

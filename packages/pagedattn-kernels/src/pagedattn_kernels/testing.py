@@ -101,6 +101,22 @@ def random_paged_batch(
     )
 
 
+def own_rows(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+             query_lens: list[int]) -> torch.Tensor:  # fmt: skip
+    """The cache rows of the query tokens themselves, ``[sum(query_lens), kv_heads, dim]``:
+    sequence i's positions ``seq_lens[i] - query_lens[i] ..``, as a step's ``key`` / ``value``
+    arguments of ``paged_attention`` hold them."""
+    block_size = cache.shape[1]
+    rows = []
+    for i, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        pos = torch.arange(n - q, n, device=cache.device)
+        blocks = block_tables[i].to(cache.device).long()[pos // block_size]
+        rows.append(cache[blocks, pos % block_size])
+    if not rows:
+        return cache.new_empty((0, *cache.shape[2:]))
+    return torch.cat(rows).contiguous()
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN, so any element a kernel fails to write fails the test."""
     return torch.full_like(t, float("nan"))

@@ -12,7 +12,9 @@ Measured in one run:
   the same K/V laid out contiguously ([B, H, 1, D] query; the fastest of the SDPA backends,
   with enable_gqa or with K/V repeated per query head);
 - prefill (one causal sequence of 1k, 4k, 16k tokens, same heads) in TFLOP/s against SDPA
-  causal on contiguous tensors;
+  causal on contiguous tensors, called as the engine calls it (the chunk's own keys from the
+  step's new rows, ``key``/``value``), and with every key gathered from the cache
+  (``tflops_cache_only``);
 - sweeps of the flash-decoding split count and of tile shapes at the headline sizes, which
   is how the defaults were chosen;
 - the fused elementwise ops of a Llama-3-8B decoder layer (hidden 4096, intermediate 14336,
@@ -45,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedattn_kernels as pk
+from pagedattn_kernels.testing import own_rows
 from pagedkv.bench.env import environment, hardware
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -349,7 +352,8 @@ def bench_prefill(setup: Setup, gen: torch.Generator) -> list[dict]:
         row = prefill_row(setup, tokens, gen)
         rows.append(row)
         print(
-            f"prefill N={tokens:<6d} {row['us']:10.1f} us {row['tflops']:7.1f} TFLOP/s  "
+            f"prefill N={tokens:<6d} {row['us']:10.1f} us {row['tflops']:7.1f} TFLOP/s "
+            f"(all keys from the cache {row['tflops_cache_only']:7.1f})  "
             f"SDPA {row['sdpa_tflops']:7.1f} TFLOP/s ({row['sdpa']})  x{row['vs_sdpa']:.2f}  "
             f"err {row['rel_err_vs_sdpa']:.1e}",
             flush=True,
@@ -358,23 +362,31 @@ def bench_prefill(setup: Setup, gen: torch.Generator) -> list[dict]:
 
 
 def _prefill_inputs(setup: Setup, tokens: int, gen: torch.Generator):
+    """One fresh sequence of ``tokens``: the query, the caches holding its K/V, and the same
+    K/V as the step's own rows (``key``/``value``, as the engine passes them)."""
     kc, vc, tables = _paged(setup, 1, tokens, gen)
     q = torch.randn(tokens, setup.heads, setup.head_dim, generator=gen, device=setup.device)
     q = q.to(setup.dtype)
     lens = torch.tensor([tokens], dtype=torch.int32, device=setup.device)
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=setup.device)
-    return q, kc, vc, tables, lens, cu
+    own = {"key": own_rows(kc, tables, [tokens], [tokens]),
+           "value": own_rows(vc, tables, [tokens], [tokens])}  # fmt: skip
+    return q, kc, vc, tables, lens, cu, own
 
 
 def prefill_row(setup: Setup, tokens: int, gen: torch.Generator) -> dict:
-    q, kc, vc, tables, lens, cu = _prefill_inputs(setup, tokens, gen)
+    """The engine's call (the chunk's own keys from its new rows) and, for comparison, the
+    same attention with every key gathered from the cache (``us_cache_only``)."""
+    q, kc, vc, tables, lens, cu, own = _prefill_inputs(setup, tokens, gen)
     out = torch.empty_like(q)
 
-    def ours() -> torch.Tensor:
+    def ours(own=own) -> torch.Tensor:
         return pk.paged_attention(
-            q, kc, vc, tables, lens, cu, max_query_len=tokens, max_seq_len=tokens, out=out
+            q, kc, vc, tables, lens, cu, max_query_len=tokens, max_seq_len=tokens, out=out, **own
         )
 
+    ours({})
+    cache_only_s = _time(lambda: ours({}), setup.device)
     ours()
     seconds = _time(ours, setup.device)
     flops = 4 * setup.heads * setup.head_dim * tokens * tokens / 2  # causal: half the matrix
@@ -389,6 +401,8 @@ def prefill_row(setup: Setup, tokens: int, gen: torch.Generator) -> dict:
         "tokens": tokens,
         "us": seconds * 1e6,
         "tflops": flops / seconds / 1e12,
+        "us_cache_only": cache_only_s * 1e6,
+        "tflops_cache_only": flops / cache_only_s / 1e12,
         "sdpa_us": sdpa_s * 1e6,
         "sdpa_tflops": flops / sdpa_s / 1e12,
         "sdpa": label,
@@ -453,7 +467,7 @@ def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generato
                    deadline: float) -> list[dict]:  # fmt: skip
     to = _tuning()
 
-    q, kc, vc, tables, lens, cu = _prefill_inputs(setup, tokens, gen)
+    q, kc, vc, tables, lens, cu, own = _prefill_inputs(setup, tokens, gen)
     out = torch.empty_like(q)
     flops = 4 * setup.heads * setup.head_dim * tokens * tokens / 2
     rows: list[dict] = []
@@ -463,7 +477,7 @@ def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generato
 
         def run(cfg=cfg) -> torch.Tensor:
             return to.paged_attention(
-                q, kc, vc, tables, lens, cu, setup.head_dim**-0.5, out, config=cfg
+                q, kc, vc, tables, lens, cu, setup.head_dim**-0.5, out, config=cfg, **own
             )
 
         try:

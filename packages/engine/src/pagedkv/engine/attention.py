@@ -122,6 +122,9 @@ class Attention(nn.Module):
         scales = {}
         if key_cache.dtype == pagedattn_kernels.FP8_DTYPE:
             scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        # The prefill kernel reads each chunk's own keys from these rows rather than gathering
+        # them back from the cache (the same values, unless the cache rounds them to fp8).
+        own = not scales
         pagedattn_kernels.reshape_and_cache(
             key, value, key_cache, value_cache, meta.slot_mapping, **scales
         )
@@ -163,6 +166,8 @@ class Attention(nn.Module):
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
                 out=out[nd:],
+                key=key[nd:] if own else None,
+                value=value[nd:] if own else None,
                 **scales,
             )
         else:
@@ -177,6 +182,8 @@ class Attention(nn.Module):
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
                 out=out,
+                key=key if own else None,
+                value=value if own else None,
                 **scales,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -214,3 +214,34 @@ def check_triton_attention(
             op, f"the Triton kernels take head dims up to {MAX_HEAD_DIM}; use backend='torch'"
         )
     check_unit_stride(op, key_cache=key_cache, value_cache=value_cache, out=out)
+
+
+def check_new_kv(
+    op: str,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> None:
+    """``key``/``value`` of paged_attention: both or neither, ``[num_tokens, num_kv_heads,
+    head_dim]`` like the query's rows and the caches' heads, of the caches' (float) dtype and
+    device, unit stride on the head dim."""
+    if key is None or value is None:
+        raise fail(op, "key and value go together: give both or neither")
+    if key_cache.dtype == FP8_DTYPE:
+        raise fail(op, "key/value must hold the caches' values; an fp8 cache holds rounded ones "
+                       "(leave key/value out)")  # fmt: skip
+    want = (query.shape[0], key_cache.shape[2], key_cache.shape[3])
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise fail(op, f"{name} must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise fail(op, f"{name} must have shape {want} (query rows, kv heads, head dim), "
+                           f"got {tuple(t.shape)}")  # fmt: skip
+        if t.dtype != key_cache.dtype:
+            raise fail(op, f"{name} is {t.dtype} but the caches are {key_cache.dtype}")
+        if t.device != key_cache.device:
+            raise fail(op, f"{name} is on {t.device} but the caches are on {key_cache.device}")
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise fail(op, f"{name} needs unit stride on the head dim and heads packed "
+                           f"together, got strides {tuple(t.stride())}")  # fmt: skip

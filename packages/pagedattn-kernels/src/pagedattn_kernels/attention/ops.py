@@ -12,7 +12,11 @@ from __future__ import annotations
 import torch
 
 from pagedattn_kernels.attention import torch_impl, triton_launch
-from pagedattn_kernels.attention.checks import check_attention, check_triton_attention
+from pagedattn_kernels.attention.checks import (
+    check_attention,
+    check_new_kv,
+    check_triton_attention,
+)
 from pagedattn_kernels.common import check_kv_scales, fail, resolve_backend
 
 __all__ = ["paged_attention", "paged_decode_attention"]
@@ -32,6 +36,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed, mixed batch of prefill chunks and decode tokens.
@@ -42,6 +48,13 @@ def paged_attention(
     With ``max_query_len == 1`` (all decode) the flash-decoding kernel runs instead.
     fp8 caches: keys read as ``fp8 * k_scale``, values as ``fp8 * v_scale`` (float32 tensors
     of one element; None = 1.0); the query and ``out`` keep their float dtype.
+
+    ``key``/``value`` (optional, ``[num_tokens, num_kv_heads, head_dim]``, row for row with
+    ``query``): the keys and values of the query tokens themselves, as just written to the
+    caches (so of the caches' dtype: not for fp8 caches). Given them, the Triton kernel reads
+    each chunk's own keys from these contiguous rows, through TMA on Hopper, and only the
+    earlier context through the block table: the same result, faster (the gather is what
+    kept the kernel at 0.67x cuDNN on an H200). The torch path ignores them.
     """
     op = "paged_attention"
     check_attention(
@@ -49,6 +62,8 @@ def paged_attention(
         scale, max_query_len, max_seq_len,
     )  # fmt: skip
     check_kv_scales(op, key_cache, k_scale, v_scale)
+    if key is not None or value is not None:
+        check_new_kv(op, query, key_cache, key, value)
     scale = float(scale) if scale is not None else query.shape[2] ** -0.5
     if out is None:
         out = torch.empty_like(query)
@@ -66,7 +81,7 @@ def paged_attention(
         )  # fmt: skip
     return triton_launch.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, out,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, key=key, value=value,
     )  # fmt: skip
 
 

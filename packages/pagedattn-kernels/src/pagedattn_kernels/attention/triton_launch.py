@@ -14,6 +14,7 @@ import torch
 
 from pagedattn_kernels.common import (
     FP8_DTYPE,
+    capability,
     is_interpreted,
     kernels_for,
     next_power_of_2,
@@ -129,6 +130,18 @@ def _partition(max_seq_len: int, num_splits: int, tile_n: int) -> tuple[int, int
     return size, -(-max(max_seq_len, 1) // size)
 
 
+def _needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset into any of ``tensors`` (from its own start) can pass 2^31 - 1,
+    so that the kernels must compute offsets in 64 bits. 32-bit offsets save registers and
+    address arithmetic: the prefill kernel ran 7-13% faster with them on an H200
+    (``scripts/prefill_variants.py``)."""
+    for t in tensors:
+        span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        if t.numel() and span >= 2**31 - 1:
+            return True
+    return False
+
+
 def _dot_ieee(dtype: torch.dtype) -> bool:
     # fp32 inputs: fp32-accurate products (3xTF32 on tensor cores; plain tf32 would cost
     # ~1e-3 relative error).
@@ -195,6 +208,7 @@ def paged_decode_attention(
         QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
         SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
+        OFFS64=_needs_64bit_offsets(key_cache, value_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
@@ -221,7 +235,13 @@ def paged_attention(
     config: PrefillConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
+    """``key``/``value``: this step's keys and values, row for row with ``query`` (see
+    ``prefill_kernel``'s NEW_KV). ``tma``: read them through tensor descriptors (None: where
+    the GPU has TMA and the rows suit it)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -232,17 +252,51 @@ def paged_attention(
     cfg = config or prefill_config(head_dim, query.dtype, qpk, is_interpreted(kernel))
     block_q = cfg.block_m // qpk
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    new_kv, k_new, v_new = 0, key_cache, value_cache  # unused by the kernel when new_kv == 0
+    if key is not None and value is not None:
+        if tma is None:
+            tma = _tma_suits(key, value, cfg.tile_n)
+        if tma:
+            k_new, v_new = _descriptor(key, cfg.tile_n), _descriptor(value, cfg.tile_n)
+        else:
+            k_new, v_new = key, value
+        new_kv = 2 if tma else 1
+    strides_new = (key.stride(0), key.stride(1), value.stride(0), value.stride(1)) if new_kv else (0,) * 4
+    offs64 = _needs_64bit_offsets(key_cache, value_cache, *((key, value) if new_kv else ()))
     kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens,
+        out, query, key_cache, value_cache, k_new, v_new, block_tables, seq_lens, cu_query_lens,
         scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
         scale * 1.4426950408889634, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), *strides_new,
         QUERIES_PER_KV=qpk, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernel, query.dtype),
-        KV_FP8=key_cache.dtype == FP8_DTYPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=key_cache.dtype == FP8_DTYPE, OFFS64=offs64, NEW_KV=new_kv,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def _tma_suits(key: torch.Tensor, value: torch.Tensor, tile_n: int) -> bool:
+    """TMA (Hopper and later) takes a [rows, kv_heads * dim] view whose row stride is a
+    multiple of 16 bytes, 16-byte aligned, with a power-of-two head dim."""
+    if key.device.type != "cuda" or capability(key.device) < (9, 0):
+        return False
+    d = key.shape[2]
+    return all(
+        t.stride(2) == 1 and t.stride(1) == d and d == padded_head_dim(d)
+        and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (key, value)
+    )  # fmt: skip
+
+
+def _descriptor(rows: torch.Tensor, tile_n: int):
+    """A host-side tensor descriptor over ``rows`` [tokens, kv_heads, dim] seen as
+    [tokens, kv_heads * dim], one tile = TILE_N rows of one head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = rows.view(rows.shape[0], rows.shape[1] * rows.shape[2])
+    return TensorDescriptor.from_tensor(flat, [tile_n, rows.shape[2]])
