@@ -249,6 +249,17 @@ def test_quantize_fp8_per_token_exact(target, seed, dtype):
     assert _same_values(out, q) and torch.equal(scale_out, s)
 
 
+@pytest.mark.parametrize("cols", [16384, 16385, 20000])
+def test_quantize_fp8_per_token_one_pass_and_two(seed, cols):
+    """Rows up to 16,384 wide are read once (held in registers), wider ones twice, in chunks:
+    both give the reference's values (Triton in the interpreter)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, cols, generator=gen) * torch.tensor([[1e-3], [1.0], [300.0]])
+    q, s = pk.quantize_fp8_per_token(x, backend="triton")
+    want_q, want_s = reference.quantize_fp8_per_token(x)
+    assert torch.equal(s, want_s) and _same_values(q, want_q), f"seed={seed}"
+
+
 @settings(max_examples=60)
 @given(arrays("float32", st.tuples(st.integers(1, 4), st.integers(1, 40)),
               elements=st.floats(-1e4, 1e4, width=32)))  # fmt: skip

@@ -1,8 +1,9 @@
 """The Triton kernel of the quantization op (device code only; the launcher is in
 ``triton_launch``): per-token fp8 quantization, one program per row.
 
-A program reads its row twice, a chunk at a time: once for the largest magnitude, once to
-divide and store (the second read comes from L2; a Llama-3-8B row is at most 28 KB). The
+A program holds a row of up to 16,384 values in registers (a Llama-3-8B row is at most 14,336
+wide) and reads it once; a longer row is read twice, a chunk at a time: once for the largest
+magnitude, once to divide and store (the second read mostly from L2). The
 division is IEEE (``div_rn``) and the value is rounded onto the e4m3 grid (nearest, ties to
 even) before the cast, which is then exact, as the torch path rounds: neither the
 interpreter's cast nor the compiled one on an H200 rounds every value so (see
@@ -37,12 +38,25 @@ def quantize_fp8_per_token_kernel(
     stride_o,
     min_scale,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
-    """Grid: (rows,). ``scale = max(amax / 448, min_scale)``; ``out = e4m3(clamp(x / scale))``."""
+    """Grid: (rows,). ``scale = max(amax / 448, min_scale)``; ``out = e4m3(clamp(x / scale))``.
+
+    ONE_PASS (BLOCK >= cols): the row stays in registers between the largest magnitude and
+    the division, so it is read once."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     o_row = out_ptr + row * stride_o
     c = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = c < cols
+        x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.reduce(tl.abs(x), 0, tl.standard._elementwise_max)
+        scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
+        tl.store(scale_ptr + row, scale)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        tl.store(o_row + c, _e4m3_grid(y).to(tl.float8e4nv), mask=mask)
+        return
     amax = tl.full([BLOCK], 0.0, tl.float32)
     for start in range(0, cols, BLOCK):
         x = tl.load(x_row + start + c, mask=start + c < cols, other=0.0).to(tl.float32)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import is_interpreted, kernels_for, next_power_of_2
+from pagedattn_kernels.common import kernels_for, next_power_of_2
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
 KERNELS = "pagedattn_kernels.quant.triton_kernels"
+ONE_PASS_COLS = 16384
 
 
 def quantize_fp8_per_token(
@@ -24,12 +25,14 @@ def quantize_fp8_per_token(
         scale_out.fill_(MIN_SCALE)
         return out, scale_out
     kernel = kernels_for(x.device, KERNELS).quantize_fp8_per_token_kernel
-    interpreted = is_interpreted(kernel)
-    # Chunks of 16-byte loads per thread: 2048 columns with 8 warps (a 4096-wide bf16 row in
-    # two steps); the interpreter takes the whole row at once.
-    block = next_power_of_2(cols) if interpreted else min(2048, next_power_of_2(cols))
+    # One pass over rows up to ONE_PASS_COLS wide, held in registers (16 warps: at most 32
+    # float32 values per thread); longer rows in chunks of 2048 columns, read twice.
+    whole = next_power_of_2(cols)
+    one_pass = whole <= ONE_PASS_COLS
+    block = whole if one_pass else 2048
+    warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     kernel[(rows,)](
         x, out, scale_out, cols, x.stride(0), out.stride(0), MIN_SCALE,
-        BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
     )  # fmt: skip
     return out, scale_out
