@@ -219,6 +219,53 @@ def shipped(p: Problem, out: torch.Tensor):
     return call
 
 
+def shipped_config(p: Problem, out: torch.Tensor, cfg, own: bool = True):
+    """The shipped kernel with a given tile configuration, reading the chunk's own keys from
+    the new rows (``own``) as the engine calls it."""
+    from pagedattn_kernels.attention import triton_launch
+
+    lens = torch.tensor([p.tokens], dtype=torch.int32, device=p.q.device)
+    cu = torch.tensor([0, p.tokens], dtype=torch.int32, device=p.q.device)
+    tables = p.block_table.view(1, -1)
+    kv = {"key": p.k, "value": p.v} if own else {}
+
+    def call():
+        return triton_launch.paged_attention(p.q, p.k_cache, p.v_cache, tables, lens, cu,
+                                             p.scale, out, config=cfg, **kv)  # fmt: skip
+
+    return call
+
+
+def sweep_shipped(tokens_list: list[int], deadline: float) -> list[dict]:
+    """Tile configurations of the shipped kernel with the new rows (``--sweep-shipped``)."""
+    from pagedattn_kernels.attention.triton_launch import PrefillConfig
+
+    configs = [PrefillConfig(m, n, w, s) for m, n, w, s in (
+        (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 4, 3),
+        (64, 128, 4, 3), (256, 64, 8, 3), (256, 128, 8, 2), (64, 64, 4, 4))]  # fmt: skip
+    rows = []
+    for tokens in tokens_list:
+        p = Problem(tokens, 16, "cuda", torch.bfloat16)
+        for cfg in configs:
+            if time.monotonic() > deadline:
+                break
+            out = torch.empty_like(p.q)
+            try:
+                fn = shipped_config(p, out, cfg)
+                fn()
+                ms = bench(fn)
+            except Exception as exc:
+                log.info("N=%d %s: error %s", tokens, cfg, repr(exc)[:200])
+                continue
+            rows.append({"tokens": tokens, "variant": "shipped_own", "block_m": cfg.block_m,
+                         "tile_n": cfg.tile_n, "num_warps": cfg.num_warps,
+                         "num_stages": cfg.num_stages, "ms": ms,
+                         "tflops": p.flops() / ms / 1e9})  # fmt: skip
+            log.info("N=%-6d shipped_own %s: %.3f ms %.1f TFLOP/s", tokens, cfg, ms,
+                     p.flops() / ms / 1e9)
+    return rows
+
+
 def sdpa(p: Problem):
     """The fastest SDPA backend with enable_gqa on contiguous [1, H, T, D] tensors."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -308,6 +355,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--check", action="store_true", help="only check the variants' outputs")
+    ap.add_argument("--sweep-shipped", action="store_true",
+                    help="only the shipped kernel (new rows for the chunk's keys) over tiles")
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--output-json")
     ap.add_argument("--commit", default="")
@@ -320,7 +369,9 @@ def main() -> int:
         return 2
     deadline = time.monotonic() + args.budget_s
     rows = []
-    for tokens in args.tokens:
+    if args.sweep_shipped:
+        rows = sweep_shipped(args.tokens, deadline)
+    for tokens in [] if args.sweep_shipped else args.tokens:
         for block_size in (16, 64, 128):
             p = Problem(tokens, block_size, "cuda", torch.bfloat16)
             ref = p.reference() if tokens <= 4096 else None
