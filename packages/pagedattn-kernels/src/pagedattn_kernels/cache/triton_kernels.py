@@ -7,11 +7,12 @@ head dim (``copy_blocks_kernel`` sees every layer's blocks as ``[layers, num_blo
 
 fp8 caches (``KV_FP8``): each K (V) element is stored as e4m3 of ``clamp(x / k_scale, -448,
 448)`` (IEEE division, round to nearest even), as the torch path and torch's own cast do. The
-value is first rounded onto the e4m3 grid in integer and fp32 arithmetic (:func:`_e4m3_grid`),
-after which any cast is exact: Triton's interpreter casts fp32 to fp8 without carrying a
-mantissa round-up into the exponent (7.97 becomes 4.0), and the compiled cast on an H200 missed
-round-to-nearest-even on a few fp16-born values (the exactness test, one seed in three). The
-grid costs a few integer operations per element of a memory-bound kernel.
+e4m3 code is computed with integer operations (:func:`_e4m3`) and no float-to-fp8 cast:
+Triton's interpreter casts fp32 to fp8 without carrying a mantissa round-up into the exponent
+(7.97 becomes 4.0), and the compiled cast on an H200 missed round-to-nearest-even on a few
+fp16-born values (the exactness test, one seed in three), even after rounding onto the e4m3
+grid in float arithmetic first (the compiler may fold ``(y + c) - c``). The encoding costs a
+few integer operations per element of a memory-bound kernel.
 
 Like every kernel module here, this file is loaded twice when both compiled and interpreted
 kernels are needed (``pagedattn_kernels.common.load_kernels``): it must stay free of import-time
@@ -25,16 +26,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _e4m3_grid(y):
-    """fp32 ``y`` (already within +-448) rounded to the nearest e4m3 value, ties to even: 3
-    mantissa bits for normal values (|y| >= 2^-6: add half an ulp plus the tie bit, clear the
-    20 dropped bits; a carry moves into the exponent as it should), multiples of 2^-9 below
-    (subnormals: adding and taking away 1.5 * 2^14 rounds there in fp32's own RTNE)."""
+def _e4m3(y):
+    """fp32 ``y`` (already within +-448) to e4m3, nearest value, ties to even, encoded with
+    integer operations and no float-to-fp8 conversion at all. Normal values (|y| >= 2^-6): keep
+    3 of the 23 mantissa bits, adding half an ulp plus the tie bit (a carry moves into the
+    exponent as it should), and rebias the exponent from 127 to 7. Below (subnormal e4m3,
+    steps of 2^-9): |y| * 512 rounded to an integer in float32's own round-to-even, read back
+    from the bits of |y| * 512 + 2^23; the code 8 is 2^-6, the first normal value."""
     bits = y.to(tl.int32, bitcast=True)
-    up = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000
-    normal = up.to(tl.float32, bitcast=True)
-    subnormal = (y + 24576.0) - 24576.0
-    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960  # 960 == (127 - 7) << 3
+    steps = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
+    subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000  # 0x4B000000: the bits of 2^23
+    code = tl.where(mag < 0x3C800000, subnormal, normal) | sign  # 0x3C800000: 2^-6
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -42,7 +48,7 @@ def _to_fp8(x, scale):
     """e4m3 of ``clamp(x / scale, -448, 448)`` (see the module docstring)."""
     y = tl.math.div_rn(x.to(tl.float32), scale)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    return _e4m3_grid(y).to(tl.float8e4nv)
+    return _e4m3(y)
 
 
 @triton.jit(do_not_specialize=["k_scale_ptr", "v_scale_ptr"])
