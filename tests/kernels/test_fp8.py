@@ -231,7 +231,9 @@ def test_quantize_fp8_per_token_exact(target, seed, dtype):
     gen = target.generator(seed)
     rows, cols = (512, 14336) if target.full else (6, 300)
     x = torch.randn(rows, cols, generator=gen, device=target.device)
-    x = (x * torch.exp(3 * torch.randn(rows, 1, generator=gen, device=target.device))).to(dtype)
+    x = x * torch.exp(3 * torch.randn(rows, 1, generator=gen, device=target.device))
+    # Within float16's range: a row with an infinity has no finite scale (and failed 1 run in 4).
+    x = x.clamp(-60000.0, 60000.0).to(dtype)
     x[1] = 0  # an all-zero row: the smallest scale, zeros
     q, s = pk.quantize_fp8_per_token(x, backend=target.backend)
     want_q, want_s = reference.quantize_fp8_per_token(x.cpu() if target.full else x)

@@ -146,20 +146,6 @@ FP8_MAX = 448.0
 CACHE_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
 
 
-def to_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """float32 ``y`` (already within +-448) to e4m3, nearest value, ties to even.
-
-    The value is rounded onto the e4m3 grid in float32 first, so that the cast is exact: the
-    hardware cast on an H200 (which PyTorch's CUDA kernels use, as Triton's) misrounds a few
-    values, as if through float16 first. Normal range: keep the top 3 of 23 mantissa bits,
-    rounding to even; below 2^-6 (subnormal e4m3, a fixed step of 2^-9): adding and taking
-    away 1.5 * 2^14 rounds to that step in float32's own round-to-even.
-    """
-    bits = y.view(torch.int32)
-    up = (bits + (0x7FFFF + ((bits >> 20) & 1))) & -1048576  # -1048576 == 0xFFF00000
-    grid = torch.where(y.abs() < 2.0**-6, (y + 24576.0) - 24576.0, up.view(torch.float32))
-    return grid.to(FP8_DTYPE)
-
 
 def fail(op: str, message: str) -> ValueError:
     return ValueError(f"{op}: {message}")

@@ -30,7 +30,7 @@ import functools
 import torch
 
 from pagedattn_kernels.cache.checks import block_rows
-from pagedattn_kernels.common import FP8_DTYPE, FP8_MAX, to_e4m3
+from pagedattn_kernels.common import FP8_DTYPE, FP8_MAX
 
 
 def reshape_and_cache(
@@ -66,7 +66,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     y = x.to(torch.float32)
     if scale is not None:
         y = y / scale
-    return to_e4m3(y.clamp(-FP8_MAX, FP8_MAX))  # not in place: y may be x itself
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # not in place: y may be x itself
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -7,12 +7,11 @@ head dim (``copy_blocks_kernel`` sees every layer's blocks as ``[layers, num_blo
 
 fp8 caches (``KV_FP8``): each K (V) element is stored as e4m3 of ``clamp(x / k_scale, -448,
 448)`` (IEEE division, round to nearest even), as the torch path and torch's own cast do. The
-e4m3 code is computed with integer operations (:func:`_e4m3`) and no float-to-fp8 cast:
-Triton's interpreter casts fp32 to fp8 without carrying a mantissa round-up into the exponent
-(7.97 becomes 4.0), and the compiled cast on an H200 missed round-to-nearest-even on a few
-fp16-born values (the exactness test, one seed in three), even after rounding onto the e4m3
-grid in float arithmetic first (the compiler may fold ``(y + c) - c``). The encoding costs a
-few integer operations per element of a memory-bound kernel.
+e4m3 code is computed with integer operations (:func:`_e4m3`), so that no kernel depends on
+how a float-to-fp8 cast rounds: Triton's interpreter casts fp32 to fp8 without carrying a
+mantissa round-up into the exponent (7.97 becomes 4.0). (H200 failures of the exactness test
+once blamed on the compiled cast were float16 infinities in the test's own data, fixed
+there.) The encoding costs a few integer operations per element of a memory-bound kernel.
 
 Like every kernel module here, this file is loaded twice when both compiled and interpreted
 kernels are needed (``pagedattn_kernels.common.load_kernels``): it must stay free of import-time

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import FP8_MAX, to_e4m3
+from pagedattn_kernels.common import FP8_DTYPE, FP8_MAX
 
 # Smallest scale: an all-zero row gets this instead of 0 (no division by zero), and no row's
 # scale is so small that x / scale loses its low bits to subnormals (vLLM's floor).
@@ -25,5 +25,5 @@ def quantize_fp8_per_token(
     # one rounding more than the true quotient the Triton kernel and the reference take.
     fp8_max = torch.full((1, 1), FP8_MAX, dtype=torch.float32, device=x.device)
     torch.clamp(amax / fp8_max, min=MIN_SCALE, out=scale_out)
-    out.copy_(to_e4m3((xf / scale_out).clamp_(-FP8_MAX, FP8_MAX)))
+    out.copy_((xf / scale_out).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
     return out, scale_out

@@ -5,9 +5,9 @@ A program holds a row of up to 16,384 values in registers (a Llama-3-8B row is a
 wide) and reads it once; a longer row is read twice, a chunk at a time: once for the largest
 magnitude, once to divide and store (the second read mostly from L2). The
 division is IEEE (``div_rn``) and the e4m3 code (nearest, ties to even, as the torch path
-rounds) is computed with integer operations, not cast: neither the interpreter's cast nor the
-compiled one on an H200 rounds every value so (see ``pagedattn_kernels.cache.triton_kernels``,
-whose ``_e4m3`` is repeated here because a kernel module holds its own helpers). Like every kernel module here,
+rounds) is computed with integer operations, not cast: the interpreter's cast does not round
+every value so (see ``pagedattn_kernels.cache.triton_kernels``, whose ``_e4m3`` is repeated
+here because a kernel module holds its own helpers). Like every kernel module here,
 this file is loaded twice when both compiled and interpreted kernels are needed and calls only
 Triton builtins (see ``attention/triton_kernels.py``).
 """
