@@ -146,17 +146,12 @@ def test_block_order_does_not_matter(target, seed):
     assert torch.allclose(first, moved, rtol=1e-5, atol=1e-6), f"seed={seed}"
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(64, F32), (80, F32), (128, BF16)])
-def test_own_keys_from_the_new_rows(target, seed, head_dim, dtype):
-    """Given the step's own keys and values (``key``/``value``), the kernel reads each chunk's
-    own keys from those rows and only the earlier context from the cache: the same attention
-    (the tiles split at the context's end, so the sums differ only in rounding)."""
-    gen = target.generator(seed)
-    block_size = 16
-    lens, q_lens = _mixed_batch(block_size, target.full)
+def _batch_with_own_rows(gen: torch.Generator, full: bool, head_dim: int, dtype: torch.dtype):
+    """A mixed batch's paged_attention arguments, and its query tokens' own K/V rows."""
+    lens, q_lens = _mixed_batch(16, full)
     batch = random_paged_batch(
-        gen, lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, device=target.device,
+        gen, lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16,
+        dtype=dtype, device=gen.device,
     )  # fmt: skip
     args = (
         batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
@@ -164,8 +159,17 @@ def test_own_keys_from_the_new_rows(target, seed, head_dim, dtype):
     )  # fmt: skip
     key = own_rows(batch.key_cache, batch.block_tables, lens, q_lens)
     value = own_rows(batch.value_cache, batch.block_tables, lens, q_lens)
+    return args, key, value
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, F32), (80, F32), (128, BF16)])
+def test_own_keys_from_the_new_rows(target, seed, head_dim, dtype):
+    """Given the step's own keys and values (``key``/``value``), the kernel reads each chunk's
+    own keys from those rows and only the earlier context from the cache: the same attention
+    (the tiles split at the context's end, so the sums differ only in rounding)."""
+    args, key, value = _batch_with_own_rows(target.generator(seed), target.full, head_dim, dtype)
     ref = reference.paged_attention(*args)
-    out = pk.paged_attention(*args, out=poisoned_like(batch.query), key=key, value=value,
+    out = pk.paged_attention(*args, out=poisoned_like(args[0]), key=key, value=value,
                              backend=target.backend)  # fmt: skip
     assert rel_error(out, ref) < TOLERANCE[dtype], f"seed={seed}"
     # Keys from a strided view (a fused QKV projection's output): the same.
@@ -181,17 +185,8 @@ def test_own_keys_by_pointer_and_by_descriptor(seed, tma):
     H200 serves with TMA), run in the interpreter: the reference's attention."""
     from pagedattn_kernels.attention import triton_launch
 
-    gen = torch.Generator().manual_seed(seed)
-    lens, q_lens = _mixed_batch(16, False)
-    batch = random_paged_batch(gen, lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=32,
-                               block_size=16, dtype=F32)  # fmt: skip
-    args = (
-        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
-        batch.cu_query_lens,
-    )  # fmt: skip
-    key = own_rows(batch.key_cache, batch.block_tables, lens, q_lens)
-    value = own_rows(batch.value_cache, batch.block_tables, lens, q_lens)
-    out = poisoned_like(batch.query)
+    args, key, value = _batch_with_own_rows(torch.Generator().manual_seed(seed), False, 32, F32)
+    out = poisoned_like(args[0])
     triton_launch.paged_attention(*args, 32**-0.5, out, key=key, value=value, tma=tma)
     assert rel_error(out, reference.paged_attention(*args)) < TOLERANCE[F32], f"seed={seed}"
 
