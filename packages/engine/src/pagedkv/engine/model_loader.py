@@ -102,6 +102,10 @@ def load_model(
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the 16-bit weights just freed
     model.eval().requires_grad_(False)
+    if device.type == "cpu":
+        from pagedkv.engine.models.cpu_matmul import pack_model
+
+        pack_model(model)
     logger.info(
         "loaded %s (%s, %s weights, %s%s on %s%s) in %.2f s",
         config.name,

@@ -40,6 +40,7 @@ from pagedkv.engine.distributed.communication import (
     gather_last_dim,
     tp_rank_size,
 )
+from pagedkv.engine.models.cpu_matmul import packed_linear
 from pagedkv.engine.models.layers import copy_weight
 from pagedkv.engine.models.quantization import fp8_linear
 
@@ -87,8 +88,11 @@ class ColumnParallelLinear(nn.Linear):
         self.tp = tp
         self.tp_rank, self.tp_size = rank, size
         self.register_buffer("weight_scale", None)
+        self.packed_weight: torch.Tensor | None = None  # on the CPU: see cpu_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
@@ -142,8 +146,11 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
         self.tp_rank, self.tp_size = rank, size
         self.register_buffer("weight_scale", None)
+        self.packed_weight: torch.Tensor | None = None  # on the CPU: see cpu_matmul
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias)
@@ -189,6 +196,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
         self.tp = tp
         self.tp_rank, self.tp_size = rank, size
+        self.packed_weight: torch.Tensor | None = None  # as the LM head, on the CPU: cpu_matmul
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -234,6 +242,8 @@ def vocab_parallel_logits(
     """float32 logits ``[N, vocab]`` of ``hidden [N, dim]``: on rank 0 the whole vocabulary,
     gathered from the ranks' slices; None on the other ranks (only rank 0 samples)."""
     if head.tp_size == 1:
+        if head.packed_weight is not None:
+            return packed_linear(hidden, head.packed_weight).float()
         return F.linear(hidden, head.weight).float()
     logits = gather_last_dim(F.linear(hidden, head.weight), head.tp)
     if logits is None:
