@@ -19,6 +19,10 @@
 #     --kv-cache-dtype fp8 --quantization fp8 on the same requests (BASELINES_FP8=1: with the
 #     baselines too)      -> throughput_llama3_8b_sharegpt_real.json, ..._real_fp8.json
 #     (`..._sharegpt_like*.json` without the file)
+#   bash scripts/gpu_fp8.sh diagnose           # ~5 min
+#     scripts/prefill_variants.py --gap (the prefill kernel's remaining gap to a minimal TMA
+#     kernel) and scripts/decode_fp8_variants.py (why decode on an fp8 cache stays at ~46% of
+#     the copy bandwidth)                        -> prefill_gap.json, decode_fp8_variants.json
 #   bash scripts/gpu_fp8.sh accuracy           # ~1 min, with the embedded model joined
 #     `python -m pagedkv.bench.fp8_accuracy` in bf16 on the GPU: greedy agreement of fp8 KV,
 #     fp8 weights and both with bf16, 64 prompts x 64 tokens -> fp8_accuracy_smollm2_bf16.json
@@ -45,7 +49,7 @@ PYTHON="${PYTHON:-python3}"
 SMOKE="${SMOKE:-0}"
 mkdir -p "$OUT"
 parts=("$@")
-[[ ${#parts[@]} -eq 0 ]] && parts=(tests kernels bf16 fp8 accuracy)
+[[ ${#parts[@]} -eq 0 ]] && parts=(tests kernels bf16 fp8 accuracy)  # diagnose: on demand
 source scripts/gpu_env.sh || exit 1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 || echo "no nvidia-smi"
@@ -134,6 +138,18 @@ for part in "${parts[@]}"; do
       echo "    exit $?"
       grep -v '^{' "$OUT/fp8_accuracy_${acc_name}.log" | grep -E "agreement|variant|---|^(control|kv_|weights_)" | tail -12
       ;;
-    *) echo "unknown part $part (tests, kernels, bf16, fp8, accuracy)" ;;
+    diagnose)
+      # The two open kernel gaps, each in one script: the prefill kernel with new rows against
+      # the minimal TMA kernel (--gap), and decode on fp8 caches (decode_fp8_variants.py).
+      if [[ "$SMOKE" == 1 ]]; then echo "=== diagnose: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== diagnose: prefill gap, fp8 decode variants"
+      timeout 200 "$PYTHON" scripts/prefill_variants.py --gap --budget-s 150 --commit "${PAGEDKV_COMMIT:-}" \
+        --output-json "$OUT/prefill_gap.json" > "$OUT/prefill_gap.log" 2>&1
+      grep "N=" "$OUT/prefill_gap.log"
+      timeout 200 "$PYTHON" scripts/decode_fp8_variants.py --budget-s 150 --commit "${PAGEDKV_COMMIT:-}" \
+        --output-json "$OUT/decode_fp8_variants.json" > "$OUT/decode_fp8_variants.log" 2>&1
+      grep -E "of copy|error" "$OUT/decode_fp8_variants.log"
+      ;;
+    *) echo "unknown part $part (tests, kernels, bf16, fp8, accuracy, diagnose)" ;;
   esac
 done

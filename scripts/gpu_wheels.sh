@@ -4,7 +4,8 @@
 # has torch, numpy, httpx, prometheus-client, anyio, h11, click and uvloop, and no network.
 #   bash scripts/gpu_wheels.sh          # then carry .whl (and .gpu_commit) in the device call
 # Versions: the pins of requirements/test.txt and what they pull in; httptools is uvicorn's
-# faster HTTP parser (optional: uvicorn falls back to h11 without it).
+# faster HTTP parser (optional: uvicorn falls back to h11 without it); gguf reads the embedded
+# model (scripts/gpu_fp8.sh accuracy, the embedded-model GPU tests).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -15,6 +16,7 @@ pkgs=(
   uvicorn==0.54.0 httptools==0.9.0
   pyzmq==27.3.0 msgspec==0.22.0
   llguidance==1.9.1
+  gguf==0.19.0
 )
 plats=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \

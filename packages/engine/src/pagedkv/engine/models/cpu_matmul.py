@@ -12,7 +12,9 @@ multiplies through :func:`packed_linear`.
 
 The products are the same up to float32 rounding (a different summation order, ~1e-4 on
 logits of magnitude ~10). Nothing is packed where oneDNN is not built into torch, for fp8
-layers, or off the CPU.
+layers, or off the CPU; a layer whose input is not on the CPU (a model moved after loading)
+multiplies its ``weight`` as before. The packed copy is made once the weights are loaded: code
+that changes ``weight`` afterwards must pack again (:func:`pack_model`).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class ColumnParallelLinear(nn.Linear):
         self.packed_weight: torch.Tensor | None = None  # on the CPU: see cpu_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.packed_weight is not None and x.is_cpu:
             return packed_linear(x, self.packed_weight, self.bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, self.bias)
@@ -149,7 +149,7 @@ class RowParallelLinear(nn.Linear):
         self.packed_weight: torch.Tensor | None = None  # on the CPU: see cpu_matmul
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.packed_weight is not None and x.is_cpu:
             return packed_linear(x, self.packed_weight, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
@@ -242,7 +242,7 @@ def vocab_parallel_logits(
     """float32 logits ``[N, vocab]`` of ``hidden [N, dim]``: on rank 0 the whole vocabulary,
     gathered from the ranks' slices; None on the other ranks (only rank 0 samples)."""
     if head.tp_size == 1:
-        if head.packed_weight is not None:
+        if head.packed_weight is not None and hidden.is_cpu:
             return packed_linear(hidden, head.packed_weight).float()
         return F.linear(hidden, head.weight).float()
     logits = gather_last_dim(F.linear(hidden, head.weight), head.tp)
