@@ -23,7 +23,6 @@ one step:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -31,6 +30,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from variant_cli import add_common_args, check_or_gpu, write_result
 
 log = logging.getLogger("decode_fp8_variants")
 
@@ -205,19 +205,12 @@ def check() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--budget-s", type=float, default=120.0)
-    ap.add_argument("--output-json")
-    ap.add_argument("--commit", default="")
+    add_common_args(ap, budget_s=120.0)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.check:
-        return 1 if check() else 0
-    if not torch.cuda.is_available():
-        log.error("timing needs a GPU (use --check on the CPU)")
-        return 2
+    if (code := check_or_gpu(args, check)) is not None:
+        return code
     deadline = time.monotonic() + args.budget_s
     src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -247,15 +240,8 @@ def main() -> int:
         rows.append(row)
         log.info("%-9s tile %3d w=%d s=%d: %8.1f us  %5.1f%% of copy  err %.1e", mode, tile_n,
                  warps, stages, ms * 1e3, 100 * frac, row["rel_err_vs_bf16"])
-    result = {"benchmark": "decode_fp8_variants", "commit": args.commit,
-              "command": "python scripts/decode_fp8_variants.py " + " ".join(sys.argv[1:]),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "batch": args.batch, "context": args.context,
-              "copy_bw_TBps": copy_bw, "rows": rows}  # fmt: skip
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
-    print(json.dumps(result))
+    write_result(args, "decode_fp8_variants", "decode_fp8_variants.py", batch=args.batch,
+                 context=args.context, copy_bw_TBps=copy_bw, rows=rows)
     return 0
 
 

@@ -25,7 +25,6 @@ gap is the compiler's (no warp-specialised softmax/MMA overlap on Hopper in Trit
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -33,6 +32,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from variant_cli import add_common_args, check_or_gpu, write_result
 
 log = logging.getLogger("prefill_variants")
 
@@ -418,21 +418,14 @@ def check() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--check", action="store_true", help="only check the variants' outputs")
     ap.add_argument("--sweep-shipped", action="store_true",
                     help="only the shipped kernel (new rows for the chunk's keys) over tiles")
     ap.add_argument("--gap", action="store_true",
                     help="only the minimal TMA kernel with the shipped kernel's differences")
-    ap.add_argument("--budget-s", type=float, default=150.0)
-    ap.add_argument("--output-json")
-    ap.add_argument("--commit", default="")
+    add_common_args(ap, budget_s=150.0)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.check:
-        return 1 if check() else 0
-    if not torch.cuda.is_available():
-        log.error("timing needs a GPU (use --check on the CPU)")
-        return 2
+    if (code := check_or_gpu(args, check)) is not None:
+        return code
     deadline = time.monotonic() + args.budget_s
     rows = []
     if args.sweep_shipped:
@@ -482,15 +475,7 @@ def main() -> int:
                          row["tflops"])
             del p
             torch.cuda.empty_cache()
-    result = {"benchmark": "prefill_variants", "commit": args.commit,
-              "command": "python scripts/prefill_variants.py " + " ".join(sys.argv[1:]),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "rows": rows}  # fmt: skip
-    text = json.dumps(result, indent=1)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(text + "\n")
-    print(json.dumps(result))
+    write_result(args, "prefill_variants", "prefill_variants.py", rows=rows)
     return 0
 
 
