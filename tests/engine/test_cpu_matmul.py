@@ -39,6 +39,26 @@ def test_packed_linear_is_f_linear(dtype, tol, shape, bias):
     assert torch.equal(cpu_matmul.packed_linear(strided, cpu_matmul.pack(w), b), got)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (576, 4096)])
+def test_rows_do_not_depend_on_the_batch(threads, k, n):
+    """Each row comes out bit-identical alone and among any number of others (batch
+    invariance: seeded sampling gives a request the same tokens whatever shares its batch)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(k + n)
+        w = cpu_matmul.pack(torch.randn(n, k, generator=gen))
+        x = torch.randn(130, k, generator=gen)
+        everything = cpu_matmul.packed_linear(x, w)
+        for rows in (1, 2, 7, 64, 65, 129):
+            part = cpu_matmul.packed_linear(x[:rows], w)
+            assert torch.equal(part, everything[:rows]), f"{rows} rows"
+        assert torch.equal(cpu_matmul.packed_linear(x[77], w), everything[77])
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("name, tied", [("llama-gqa-tied", True), ("llama3-rope", False)])
 def test_every_linear_layer_and_the_head_are_packed(tiny_checkpoint, name, tied):
     ckpt = tiny_checkpoint(name)

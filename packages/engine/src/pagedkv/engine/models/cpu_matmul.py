@@ -46,11 +46,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x [..., in] @ weight.T + bias`` with the weight given packed."""
+    """``x [..., in] @ weight.T + bias`` with the weight given packed.
+
+    Batch-invariant: a row's result does not depend on the other rows. oneDNN's packed
+    products give each row the same bits for any number of rows from two up (MKL's sgemm does
+    not), but a single row takes another kernel; so a lone row is computed as two. Seeded
+    sampling relies on it: a request's tokens must not depend on what else is in the batch."""
     x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if rows == 1:
+        x2 = x2.expand(2, -1)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    if rows == 1:
+        y = y[:1]
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
