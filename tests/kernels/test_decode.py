@@ -111,3 +111,27 @@ def test_decode_scale_and_noncontiguous_query(target, seed):
     out = pk.paged_decode_attention(*args, scale=0.3, backend=target.backend)
     ref = reference.paged_decode_attention(*args, scale=0.3)
     _check(out, ref, F32, seed, "scale=0.3, strided query")
+
+
+def test_torch_decode_rows_do_not_depend_on_the_batch(seed):
+    """On the CPU torch path each sequence's decode attention comes out bit-identical alone
+    and in a batch of sequences of other lengths, on two threads (seeded sampling must not
+    depend on what else is in the batch)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        lens = [20, 23, 40, 41, 100, 7]
+        batch = random_paged_batch(gen, lens, [1] * len(lens), num_heads=9, num_kv_heads=3,
+                                   head_dim=64, block_size=16, dtype=torch.float32)  # fmt: skip
+        args = (batch.key_cache, batch.value_cache)
+        together = pk.paged_decode_attention(batch.query, *args, batch.block_tables,
+                                             batch.seq_lens, backend="torch")  # fmt: skip
+        for i in range(len(lens)):
+            alone = pk.paged_decode_attention(
+                batch.query[i : i + 1], *args, batch.block_tables[i : i + 1],
+                batch.seq_lens[i : i + 1], backend="torch",
+            )  # fmt: skip
+            assert torch.equal(alone, together[i : i + 1]), f"sequence {i} (seed={seed})"
+    finally:
+        torch.set_num_threads(before)

@@ -94,16 +94,18 @@ def _decode_batch(
         table_rows = torch.where(in_use, table_rows, 0)
     k = _gather(key_cache, table_rows, longest, read, read.k_scale)
     v = _gather(value_cache, table_rows, longest, read, read.v_scale)
-    mask = None
-    if min(lens) != longest:
-        lens_t = torch.tensor(lens, device=k.device)
-        mask = torch.arange(longest, device=k.device)[None, :] < lens_t[:, None]
-        mask = mask[:, None, None, :]
     q = query_rows.unsqueeze(2)  # [batch, heads, 1, dim]
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    return o.squeeze(2)
+    gqa = q.shape[1] != k.shape[1]
+    # One call per sequence, over exactly its own keys: batch-invariant. A call over several
+    # sequences (padded and masked, or not) gives a sequence other bits depending on its
+    # batch mates when torch runs SDPA on more than one thread, and seeded sampling must not
+    # depend on what else is in the batch.
+    out = torch.empty_like(q)
+    for j, n in enumerate(lens):
+        out[j : j + 1] = F.scaled_dot_product_attention(
+            q[j : j + 1], k[j : j + 1, :, :n], v[j : j + 1, :, :n], scale=scale, enable_gqa=gqa
+        )
+    return out.squeeze(2)
 
 
 def _prefill_one(
