@@ -259,7 +259,7 @@ def paged_attention(
     new_kv, k_new, v_new = 0, key_cache, value_cache  # unused by the kernel when new_kv == 0
     if key is not None and value is not None:
         if tma is None:
-            tma = num_tokens >= TMA_MIN_TOKENS and _tma_suits(key, value, cfg.tile_n)
+            tma = num_tokens >= TMA_MIN_TOKENS and _tma_suits(key, value)
         if tma:
             k_new, v_new = _descriptor(key, cfg.tile_n), _descriptor(value, cfg.tile_n)
         else:
@@ -284,7 +284,7 @@ def paged_attention(
     return out
 
 
-def _tma_suits(key: torch.Tensor, value: torch.Tensor, tile_n: int) -> bool:
+def _tma_suits(key: torch.Tensor, value: torch.Tensor) -> bool:
     """TMA (Hopper and later) takes a [rows, kv_heads * dim] view whose row stride is a
     multiple of 16 bytes, 16-byte aligned, with a power-of-two head dim."""
     if key.device.type != "cuda" or capability(key.device) < (9, 0):
