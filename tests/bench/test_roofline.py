@@ -73,6 +73,10 @@ def test_roofline_report_splits_gpu_busy_from_host_wait(llama8b) -> None:
     assert list(by_batch) == ["1-64"]  # both decode passes have 2 sequences
     assert by_batch["1-64"]["passes"] == 2
     assert by_batch["1-64"]["host_gap_ms_mean"] == pytest.approx(4.5)
+    assert by_batch["1-64"]["seconds"] == pytest.approx(0.022)
+    bound = (cost.pass_bound(hw, *passes[1]) + cost.pass_bound(hw, *passes[2])) / 2
+    assert by_batch["1-64"]["bound_ms_mean"] == pytest.approx(bound * 1e3)
+    assert by_batch["1-64"]["roofline_frac"] == pytest.approx(2 * bound / 0.022)
     # Spans that do not line up with the passes (a CPU run has none) are ignored, not misread.
     short = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps), gpu_seconds=gpu[:2])
     assert "decode_gpu_ms" not in short

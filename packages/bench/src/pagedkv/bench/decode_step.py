@@ -61,15 +61,73 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
+#: Kernel families of a decode step, by a substring of the kernel's name (first match wins).
+KERNEL_FAMILIES = (
+    ("attention", ("paged", "attention", "attn", "flash")),
+    ("cache write", ("reshape_and_cache", "cache")),
+    ("rms norm", ("rms",)),
+    ("rotary", ("rotary", "rope")),
+    ("silu and mul", ("silu",)),
+    ("fp8 quant", ("quant",)),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "sm90", "sm80", "splitk", "matmul")),
+    ("sampling", ("argmax", "max_", "softmax", "sample", "topk")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    for family, keys in KERNEL_FAMILIES:
+        if any(k in low for k in keys):
+            return family
+    return "other"
+
+
+def kernel_table(prof: Any, steps: int, top: int = 20) -> dict[str, Any]:
+    """GPU time per step of a torch.profiler run over `steps` decode steps: by kernel family
+    and the `top` kernels by name (kernels inside CUDA graph replays are traced one by one)."""
+    import torch
+
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = by_name.setdefault(e.name, [0.0, 0])
+            row[0] += e.time_range.elapsed_us()
+            row[1] += 1
+    families: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        fam = kernel_family(name)
+        families[fam] = families.get(fam, 0.0) + us / steps
+    kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "gpu_us_per_step": sum(families.values()),
+        "families_us_per_step": dict(sorted(families.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"name": n[:120], "us_per_step": us / steps, "calls_per_step": c / steps,
+                         "family": kernel_family(n)} for n, (us, c) in kernels],
+    }
+
+
+def format_kernel_table(table: dict[str, Any]) -> str:
+    total = table["gpu_us_per_step"]
+    if not total:
+        return "  (no GPU kernels traced)"
+    lines = [f"  GPU time per step {total:.0f} us:"]
+    lines += [f"    {fam:14s} {us:9.1f} us  {100 * us / total:5.1f}%"
+              for fam, us in table["families_us_per_step"].items()]
+    lines += [f"    {k['us_per_step']:9.1f} us  x{k['calls_per_step']:<6.1f} {k['family']:12s} "
+              f"{k['name'][:90]}" for k in table["top_kernels"]]
+    return "\n".join(lines)
+
+
 def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
-                  warmup: int) -> dict[str, Any]:
+                  warmup: int, profile_steps: int = 0) -> dict[str, Any]:
     """Time `steps` decode steps of `batch_size` sequences whose contexts are spread around
     `context` tokens (so that they cross block boundaries on different steps, as in a real
-    run); the engine is left empty."""
+    run), then with `profile_steps` profile that many more under torch.profiler (the GPU
+    time by kernel: `kernel_table`); the engine is left empty."""
     from pagedkv.engine.sampling_params import SamplingParams
 
     max_len = int(engine.model_config.max_model_len)
-    room = warmup + steps + 2
+    room = warmup + steps + profile_steps + 2
     centre = max(min(context - (warmup + steps // 2), max_len - room - context // 2), 2)
     spread = centre // 2
     vocab = int(engine.model_config.vocab_size)
@@ -103,6 +161,18 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
             times.append(clock() - t0)
         _sync(engine.device)
         running = engine.get_stats().num_running
+        kernels = None
+        if profile_steps:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(profile_steps):
+                    engine.step()
+                _sync(engine.device)
+            kernels = kernel_table(prof, profile_steps)
     finally:
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
@@ -118,6 +188,7 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
         "steps": steps,
         "context_mean": statistics.fmean(lengths) + warmup + steps / 2,
         "num_running": running,
+        **({"kernels": kernels} if kernels is not None else {}),
     }
 
 
@@ -128,6 +199,7 @@ def measure_decode_steps(
     steps: int = DEFAULT_STEPS,
     warmup: int = DEFAULT_WARMUP_STEPS,
     on_result: Callable[[dict[str, Any]], None] | None = None,
+    profile_steps: int = 0,
 ) -> list[dict[str, Any]]:
     """`measure_batch` for each batch size, ascending; `on_result(result)` after each."""
     max_seqs = int(engine.args.max_num_seqs)
@@ -136,7 +208,7 @@ def measure_decode_steps(
         if b > max_seqs:
             logger.warning("batch %d is above --max-num-seqs %d: skipped", b, max_seqs)
             continue
-        r = measure_batch(engine, b, context, steps, warmup)
+        r = measure_batch(engine, b, context, steps, warmup, profile_steps)
         results.append(r)
         logger.info("batch %d: decode step %.2f ms (median %.2f)", b, r["decode_step_ms"],
                     r["median_step_ms"])
@@ -190,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.batch_sizes:
             raise ValueError("give --batch-sizes or --sweep-json")
         sizes, context = parse_sizes(args.batch_sizes), args.context or 490
-    if args.steps < 1 or args.warmup_steps < 0:
-        raise ValueError("--steps must be >= 1 and --warmup-steps >= 0")
+    if args.steps < 1 or args.warmup_steps < 0 or args.profile_steps < 0:
+        raise ValueError("--steps must be >= 1, --warmup-steps and --profile-steps >= 0")
     engine_args = EngineArgs.from_cli_args(args)
     print(f"decode step: batch sizes {sizes}, context ~{context:.0f} tokens, {args.steps} "
           f"timed steps each", flush=True)
@@ -206,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
         measured.append(r)
         print(f"  batch {r['batch_size']:>5}: decode step {r['decode_step_ms']:.3f} ms "
               f"(median {r['median_step_ms']:.3f}, min {r['min_step_ms']:.3f})", flush=True)
+        if "kernels" in r:
+            print(format_kernel_table(r["kernels"]), flush=True)
         record = {"command": env["command"], "context": context,
                   "steps": args.steps, "device": str(engine.device), "commit": env["commit"],
                   "by_batch": list(measured)}
@@ -219,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             serve._write_json(args.output_json, record)
 
     measure_decode_steps(engine, sizes, round(context), args.steps, args.warmup_steps,
-                         on_result=save)
+                         on_result=save, profile_steps=args.profile_steps)
     if data is not None:
         print(serve.format_saturation_table(data["rates"], bound))
         line = {k: data[k] for k in ("knee_rate", "tpot_over_decode_step_max_below_knee",
@@ -245,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                         "that of 400 ShareGPT-like requests)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed decode steps")
     parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed steps, profile this many more: GPU time per step "
+                        "by kernel family and the top kernels")
     parser.add_argument("--output-json", default=None, metavar="PATH",
                         help="with --batch-sizes: write the results here")
     parser.add_argument("--log-level", default="INFO")

@@ -169,7 +169,7 @@ def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, 
             out[f"{kind}_gpu_seconds"] = sum(gpu[i] for i in idx)
             out[f"{kind}_host_gap_seconds"] = sum(step_seconds[i] - gpu[i] for i in idx)
     if gpu is not None:
-        out["decode_host_gap_by_batch"] = _host_gap_by_batch(passes, step_seconds, gpu)
+        out["decode_host_gap_by_batch"] = _host_gap_by_batch(passes, step_seconds, gpu, bounds)
     return out
 
 
@@ -177,9 +177,10 @@ def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, 
 _BATCH_BUCKETS = (64, 256, 512, 1024, 1 << 30)
 
 
-def _host_gap_by_batch(passes, step_seconds, gpu) -> dict[str, dict[str, float]]:
+def _host_gap_by_batch(passes, step_seconds, gpu, bounds) -> dict[str, dict[str, float]]:
     """Host wait of decode passes per batch-size bucket: where the host's per-sequence work
-    shows (it grows with the batch) against the fixed cost of a step."""
+    shows (it grows with the batch) against the fixed cost of a step; and each bucket's bound
+    and roofline fraction (`bounds[i]`: pass i's), which say which batch sizes to speed up."""
     table: dict[str, dict[str, float]] = {}
     low = 1
     for high in _BATCH_BUCKETS:
@@ -192,6 +193,10 @@ def _host_gap_by_batch(passes, step_seconds, gpu) -> dict[str, dict[str, float]]
                             "host_gap_ms_median": median(step_seconds[i] - gpu[i]
                                                          for i in idx) * 1e3,
                             "gpu_ms_mean": sum(gpu[i] for i in idx) / len(idx) * 1e3,
-                            "gpu_ms_median": median(gpu[i] for i in idx) * 1e3}
+                            "gpu_ms_median": median(gpu[i] for i in idx) * 1e3,
+                            "seconds": sum(step_seconds[i] for i in idx),
+                            "bound_ms_mean": sum(bounds[i] for i in idx) / len(idx) * 1e3,
+                            "roofline_frac": sum(bounds[i] for i in idx)
+                            / max(sum(step_seconds[i] for i in idx), 1e-12)}
         low = high + 1
     return table

@@ -541,7 +541,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
         for bucket, row in result.get("decode_host_gap_by_batch", {}).items():
             print(f"  decode batches of {bucket}: {row['passes']} passes, host wait "
                   f"{row['host_gap_s']:.2f} s ({row['host_gap_ms_mean']:.2f} ms per pass, GPU "
-                  f"busy {row['gpu_ms_mean']:.2f} ms)")
+                  f"busy {row['gpu_ms_mean']:.2f} ms); {row['seconds']:.2f} s in all, bound "
+                  f"{row['bound_ms_mean']:.2f} ms per pass ({row['roofline_frac']:.0%})")
     _save(args, result)
     print_json_line(result)
     return 0

@@ -1,0 +1,46 @@
+"""The decode-step profile (`python -m pagedkv.bench.decode_step --profile-steps N`): GPU time
+per step by kernel family, from a torch.profiler run's CUDA events."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedkv.bench.decode_step import format_kernel_table, kernel_family, kernel_table
+
+
+@pytest.mark.parametrize(("name", "family"), [
+    ("nvjet_tst_128x64_64x4_1x2_h_bz_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "gemm"),
+    ("paged_decode_attention_kernel", "attention"),
+    ("_reshape_and_cache_kernel", "cache write"),
+    ("fused_add_rms_norm_kernel", "rms norm"),
+    ("_rotary_embedding_kernel", "rotary"),
+    ("silu_and_mul_kernel", "silu and mul"),
+    ("quantize_fp8_per_token_kernel", "fp8 quant"),
+    ("void at::native::reduce_kernel<argmax>", "sampling"),
+    ("void at::native::vectorized_elementwise_kernel<copy>", "other"),
+])
+def test_kernels_are_named_by_family(name: str, family: str) -> None:
+    assert kernel_family(name) == family
+
+
+def _event(name: str, us: float, device: bool = True) -> SimpleNamespace:
+    kind = torch.autograd.DeviceType.CUDA if device else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind,
+                           time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_kernel_table_sums_gpu_time_per_step() -> None:
+    events = [_event("nvjet_gemm", 100.0), _event("nvjet_gemm", 120.0),
+              _event("paged_decode_attention", 30.0), _event("aten::mm", 999.0, device=False)]
+    table = kernel_table(SimpleNamespace(events=lambda: events), steps=2)
+    assert table["gpu_us_per_step"] == pytest.approx(125.0)  # host events are not GPU time
+    assert table["families_us_per_step"] == pytest.approx({"gemm": 110.0, "attention": 15.0})
+    top = table["top_kernels"][0]
+    assert (top["name"], top["us_per_step"], top["calls_per_step"]) == ("nvjet_gemm", 110.0, 1.0)
+    assert "gemm" in format_kernel_table(table)
+    empty = kernel_table(SimpleNamespace(events=lambda: []), steps=1)
+    assert format_kernel_table(empty) == "  (no GPU kernels traced)"
