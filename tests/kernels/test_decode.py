@@ -135,3 +135,31 @@ def test_torch_decode_rows_do_not_depend_on_the_batch(seed):
             assert torch.equal(alone, together[i : i + 1]), f"sequence {i} (seed={seed})"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3)], ids=attention_case_id)
+def test_decode_with_early_v_loads(target, seed, case):
+    """The decode kernel with ``DecodeConfig(early_v=True)`` (each V tile loaded with its K
+    tile, as the prefill kernel does): the same outputs, split or not, ragged tiles included."""
+    if target.backend != "triton":
+        pytest.skip("a Triton tile option")
+    from pagedattn_kernels.attention import triton_launch
+
+    head_dim, dtype, block_size, group = case
+    gen = target.generator(seed)
+    lens = [1, 37, 3 * block_size, 600] if not target.full else [1, 37, 4099, 20000]
+    batch = random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, device=target.device,
+    )  # fmt: skip
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    ref = reference.paged_decode_attention(*args)
+    tiles = 64 if not target.full else 128
+    cfg = triton_launch.DecodeConfig(tile_n=tiles, num_warps=4, num_stages=1 if not target.full
+                                     else 2, early_v=True)  # fmt: skip
+    for splits in (1, 3):
+        out = triton_launch.paged_decode_attention(
+            *args, head_dim**-0.5, max(lens), poisoned_like(batch.query), num_splits=splits,
+            config=cfg,
+        )  # fmt: skip
+        _check(out, ref, dtype, seed, f"early_v, num_splits={splits}")

@@ -501,6 +501,8 @@ def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) 
         to.DecodeConfig(64, 2, 3),
         to.DecodeConfig(64, 4, 3),
         to.DecodeConfig(128, 8, 2),
+        to.DecodeConfig(128, 4, 2, early_v=True),
+        to.DecodeConfig(64, 2, 3, early_v=True),
     ]
     decode: list[dict] = []
     for batch, context, splits_list in (

@@ -39,12 +39,15 @@ _INTERPRETER_SMS = 4
 class DecodeConfig:
     """Tile shape of the decode kernel: TILE_N keys per loop step. ``per_sm``: how many of
     its programs fit on one SM at once (registers and shared memory), used to size the
-    flash-decoding split so that the programs make about one full wave."""
+    flash-decoding split so that the programs make about one full wave. ``early_v``: load
+    each V tile with its K tile rather than after the softmax (``_attend_tile``'s EARLY_V;
+    the prefill kernel always does)."""
 
     tile_n: int
     num_warps: int
     num_stages: int
     per_sm: int = 2
+    early_v: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +215,7 @@ def paged_decode_attention(
         QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
         SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
-        OFFS64=_needs_64bit_offsets(key_cache, value_cache),
+        OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
