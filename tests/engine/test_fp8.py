@@ -299,6 +299,8 @@ def test_quantize_model_layers(tiny_checkpoint):
             orig = before[f"{name}.weight"]
             assert torch.allclose(s[0], orig.abs().amax(dim=1) / 448, rtol=1e-6)
             assert torch.equal(w.float().abs().amax(dim=1), torch.full((w.shape[0],), 448.0))
+            # No stale CPU copy of the old weight is left to multiply by (cpu_matmul).
+            assert getattr(module, "packed_weight", None) is None
     # Embeddings (the tied LM head) and norms keep float32.
     assert model.embed_tokens.weight.dtype == torch.float32
     with pytest.raises(ValueError, match="unknown quantization"):
@@ -363,6 +365,53 @@ def test_quantized_model_logits_stay_close(tiny_checkpoint, single_thread):
     shared = set(top_a) & set(top_b)
     assert len(shared) >= 10, "the top-20 tokens largely the same"
     assert max(abs(top_a[t] - top_b[t]) for t in shared) < 0.5
+
+
+def _top_logprobs(engine: LLMEngine, prompt: list[int], rid: str) -> dict[int, float]:
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0, logprobs=20))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    return [{t: lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
+
+
+def test_fused_fp8_inputs_give_the_same_logits(tiny_checkpoint, single_thread, monkeypatch):
+    """With fp8 weights the norms and SwiGLU's activation quantize the next linear layer's
+    input in their own kernels (``use_fp8_inputs``): the logits are bit for bit those of the
+    same kernels unfused, with ``fp8_linear`` quantizing. Triton's interpreter runs the fused
+    kernels on the CPU (``PAGEDATTN_BACKEND=triton``), and the fused ops are seen to run."""
+    import pagedattn_kernels
+
+    monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
+    cfg, model = _tiny_llama(tiny_checkpoint)
+    quantize_model(model, "fp8")
+    layers = list(model.layers)
+    assert all(l.input_layernorm.fp8_out and l.post_attention_layernorm.fp8_out
+               and l.mlp.fp8_act for l in layers)  # fmt: skip
+    assert not model.norm.fp8_out  # the final norm feeds the 16-bit LM head
+    calls = {"norm": 0, "act": 0}
+    for name, key in (("rms_norm_fp8", "norm"), ("fused_add_rms_norm_fp8", "norm"),
+                      ("silu_and_mul_fp8", "act")):  # fmt: skip
+        real = getattr(pagedattn_kernels, name)
+
+        def counted(*a, _real=real, _key=key, **k):
+            calls[_key] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(pagedattn_kernels, name, counted)
+    engine = LLMEngine(EngineArgs(model=str(cfg.path), device="cpu", kv_cache_gb=0.01,
+                                  skip_tokenizer_init=True, quantization="fp8"), model=model)
+    prompt = list(range(3, 30))
+    fused = _top_logprobs(engine, prompt, "fused")
+    assert calls["norm"] >= 2 * len(layers) and calls["act"] >= len(layers)
+    for layer in layers:
+        layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = False
+        layer.mlp.fp8_act = False
+    before = dict(calls)
+    unfused = _top_logprobs(engine, prompt, "unfused")
+    assert calls == before  # the second run quantized in fp8_linear only
+    assert fused == unfused
 
 
 def test_fp8_weights_of_an_unsupported_model_are_a_clear_error(tiny_checkpoint):

@@ -30,9 +30,12 @@ from pagedattn_kernels.common import BACKENDS, FP8_DTYPE, FP8_MAX, resolve_backe
 from pagedattn_kernels.fused.ops import (
     MAX_HIDDEN,
     fused_add_rms_norm,
+    fused_add_rms_norm_fp8,
     rms_norm,
+    rms_norm_fp8,
     rotary_embedding,
     silu_and_mul,
+    silu_and_mul_fp8,
 )
 from pagedattn_kernels.quant.ops import quantize_fp8_per_token
 
@@ -48,9 +51,12 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     # fused/
     "MAX_HIDDEN",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_fp8",
     "rms_norm",
+    "rms_norm_fp8",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_and_mul_fp8",
     # quant/
     "quantize_fp8_per_token",
     # fp8 (common): the cache dtype of an fp8 KV cache and its largest magnitude

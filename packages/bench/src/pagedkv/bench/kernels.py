@@ -753,12 +753,14 @@ def main(argv: list[str] | None = None) -> dict:
         prefill_fp8 = kernels_fp8.bench_prefill_fp8(setup, gen, prefill)
         _warm_gpu(setup.device)
         gemm, gemm_layer = kernels_fp8.bench_gemm(setup, gen)
+        layer_fused = kernels_fp8.bench_layer_fused(setup, gen)
         fp8_sweep = []
         if not setup.quick and not args.no_sweeps:
             fp8_sweep = kernels_fp8.sweep_decode_fp8(setup, copy_bw, gen, start + args.budget_s)
-        fp8 = {**kernels_fp8.fp8_headlines(decode_fp8, prefill_fp8, gemm_layer),
+        fp8 = {**kernels_fp8.fp8_headlines(decode_fp8, prefill_fp8, gemm_layer, layer_fused),
                "decode_fp8": decode_fp8, "prefill_fp8": prefill_fp8, "gemm": gemm,
-               "gemm_layer": gemm_layer, "sweep_decode_fp8": fp8_sweep}  # fmt: skip
+               "gemm_layer": gemm_layer, "gemm_layer_fused": layer_fused,
+               "sweep_decode_fp8": fp8_sweep}  # fmt: skip
     if not args.fp8_only:
         _warm_gpu(setup.device)
         fused = bench_fused(setup, copy_bw, gen)

@@ -14,6 +14,12 @@
   activation quantization, then ``torch._scaled_mm`` with per-channel weight scales on Hopper),
   and the scaled matmul alone; ``gemm_layer`` sums each M's four. The issue's goal is the layer
   sum at M = 512 (``gemm_fp8_vs_16bit_m512`` >= 1.6).
+- ``gemm_layer_fused``: the four linear layers as a decode step runs them, with the kernels
+  that make their inputs: fused add + RMSNorm before Q/K/V and gate/up, SiLU-and-multiply
+  before down, in one CUDA graph per M. 16-bit, fp8 with ``fp8_linear`` quantizing each input
+  (``graph_us_unfused``), and fp8 with the norms and the activation quantizing their own
+  outputs (``graph_us``: ``rms_norm_fp8``..., what the engine runs); ``graph_vs_16bit`` is
+  the fused one (``gemm_fp8_fused_graph_vs_16bit_m512``).
 On the CPU (``--quick``) the same code runs tiny shapes through the torch paths (the fp8
 matmul there is the dequantizing fallback): a smoke run, not a measurement.
 """
@@ -284,7 +290,71 @@ def bench_gemm(setup: Setup, gen: torch.Generator) -> tuple[list[dict], list[dic
     return rows, layer
 
 
-def fp8_headlines(decode: list[dict], prefill: list[dict], layer: list[dict]) -> dict[str, Any]:
+def bench_layer_fused(setup: Setup, gen: torch.Generator) -> list[dict]:
+    """Per M: one decoder layer's linear layers with the kernels feeding them (see the module
+    docstring), 16-bit against fp8 unfused and fused, each replayed from a CUDA graph."""
+    from pagedkv.engine.models.quantization import Fp8Rows, fp8_linear, quantize_weight
+
+    dev, dtype = setup.device, setup.dtype
+    shapes = dict((name, (n, k)) for name, n, k in
+                  (QUICK_LINEARS if setup.quick else LLAMA3_8B_LINEARS))  # fmt: skip
+    hidden, inter = shapes["qkv"][1], shapes["down"][1]
+    w16 = {name: (torch.randn(n, k, generator=gen, device=dev) * k**-0.5).to(dtype)
+           for name, (n, k) in shapes.items()}  # fmt: skip
+    w8 = {name: quantize_weight(w) for name, w in w16.items()}
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=dev)).to(dtype)
+    eps = 1e-5
+    rows: list[dict] = []
+    for m in [16, 64] if setup.quick else GEMM_TOKENS:
+        x = torch.randn(m, hidden, generator=gen, device=dev).to(dtype)
+        res = torch.randn(m, hidden, generator=gen, device=dev).to(dtype)
+        attn = torch.randn(m, shapes["o"][1], generator=gen, device=dev).to(dtype)
+
+        def b16(x=x, res=res, attn=attn) -> torch.Tensor:
+            h, r = pk.fused_add_rms_norm(x, res, norm_w, eps)
+            F.linear(h, w16["qkv"])
+            o = F.linear(attn, w16["o"])
+            h, r = pk.fused_add_rms_norm(o, r, norm_w, eps)
+            return F.linear(pk.silu_and_mul(F.linear(h, w16["gate_up"])), w16["down"])
+
+        def unfused(x=x, res=res, attn=attn) -> torch.Tensor:
+            h, r = pk.fused_add_rms_norm(x, res, norm_w, eps)
+            fp8_linear(h, *w8["qkv"])
+            o = fp8_linear(attn, *w8["o"])
+            h, r = pk.fused_add_rms_norm(o, r, norm_w, eps)
+            return fp8_linear(pk.silu_and_mul(fp8_linear(h, *w8["gate_up"])), *w8["down"])
+
+        def fused(x=x, res=res, attn=attn) -> torch.Tensor:
+            q, s, r = pk.fused_add_rms_norm_fp8(x, res, norm_w, eps)
+            fp8_linear(Fp8Rows(q, s, dtype), *w8["qkv"])
+            o = fp8_linear(attn, *w8["o"])
+            q, s, r = pk.fused_add_rms_norm_fp8(o, r, norm_w, eps)
+            gate_up = fp8_linear(Fp8Rows(q, s, dtype), *w8["gate_up"])
+            return fp8_linear(Fp8Rows(*pk.silu_and_mul_fp8(gate_up), dtype), *w8["down"])
+
+        same = torch.equal(fused(), unfused())
+        row: dict[str, Any] = {"m": m, "hidden": hidden, "intermediate": inter,
+                               "fused_equals_unfused": same}  # fmt: skip
+        times = {name: _time_graph(fn, dev) for name, fn in
+                 (("16bit", b16), ("unfused", unfused), ("fused", fused))}  # fmt: skip
+        if all(t is not None for t in times.values()):
+            row.update(graph_us_16bit=times["16bit"] * 1e6, graph_us_unfused=times["unfused"] * 1e6,
+                       graph_us=times["fused"] * 1e6,
+                       graph_vs_16bit=times["16bit"] / times["fused"],
+                       graph_unfused_vs_16bit=times["16bit"] / times["unfused"])  # fmt: skip
+            print(f"gemm layer fused M={m:<5d}: 16-bit {row['graph_us_16bit']:8.1f} us  fp8 "
+                  f"unfused {row['graph_us_unfused']:8.1f} us (x{row['graph_unfused_vs_16bit']:.2f})"
+                  f"  fused {row['graph_us']:8.1f} us (x{row['graph_vs_16bit']:.2f})  "
+                  f"same output: {same}", flush=True)  # fmt: skip
+        else:
+            print(f"gemm layer fused M={m:<5d}: no CUDA graphs here; same output: {same}",
+                  flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def fp8_headlines(decode: list[dict], prefill: list[dict], layer: list[dict],
+                  layer_fused: list[dict] | None = None) -> dict[str, Any]:  # fmt: skip
     """Flat keys for the fp8 goals: decode bandwidth fraction (fp8 bytes) at 64 x 4k, prefill
     against SDPA at 4k and 16k, decode GEMMs at M = 512 against the 16-bit ones."""
 
@@ -305,4 +375,5 @@ def fp8_headlines(decode: list[dict], prefill: list[dict], layer: list[dict]) ->
         "gemm_fp8_vs_16bit_m512": pick(layer, "vs_16bit", m=512),
         "gemm_fp8_graph_vs_16bit_m512": pick(layer, "graph_vs_16bit", m=512),
         "gemm_fp8_matmul_only_vs_16bit_m512": pick(layer, "gemm_only_vs_16bit", m=512),
+        "gemm_fp8_fused_graph_vs_16bit_m512": pick(layer_fused or [], "graph_vs_16bit", m=512),
     }

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import fail, resolve_backend
+from pagedattn_kernels.common import FP8_DTYPE, check_fp8_triton, fail, resolve_backend
 from pagedattn_kernels.fused import torch_impl, triton_launch
 from pagedattn_kernels.fused.checks import (
     check_norm,
@@ -39,7 +39,16 @@ from pagedattn_kernels.fused.checks import (
 )
 from pagedattn_kernels.fused.triton_launch import MAX_HIDDEN, read_rows
 
-__all__ = ["MAX_HIDDEN", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "MAX_HIDDEN",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_fp8",
+    "rms_norm",
+    "rms_norm_fp8",
+    "rotary_embedding",
+    "silu_and_mul",
+    "silu_and_mul_fp8",
+]
 
 
 def rms_norm(
@@ -142,6 +151,85 @@ def silu_and_mul(
         out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     triton_launch.silu_and_mul(out, read_rows(x, 2 * inter), inter)
     return out
+
+
+def _fp8_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh outputs of an ``*_fp8`` op: e4m3 rows ``[..., width]`` and their scales ``[..., 1]``."""
+    lead = tuple(x.shape[:-1])
+    return (torch.empty((*lead, width), dtype=FP8_DTYPE, device=x.device),
+            torch.empty((*lead, 1), dtype=torch.float32, device=x.device))  # fmt: skip
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` with its output quantized per token to fp8, the input of an fp8 linear
+    layer (``--quantization fp8``) in one kernel: returns ``(q [..., hidden] float8_e4m3fn,
+    scale [..., 1] float32)``, exactly ``quantize_fp8_per_token`` of :func:`rms_norm`'s rows
+    on the same backend (the normed values are rounded to x's dtype first, as unfused), without
+    writing them in x's dtype and reading them back."""
+    op = "rms_norm_fp8"
+    hidden = check_norm(op, x, None, weight, eps)
+    if resolve_backend(x.device, backend) == "torch":
+        return torch_impl.rms_norm_fp8(x, weight, eps)
+    check_triton_norm(op, hidden)
+    check_fp8_triton(op, x.device)
+    q, scale = _fp8_rows(x, hidden)
+    rows = read_rows(x, hidden)
+    triton_launch.rms_norm(rows, None, rows, None, weight.contiguous(), float(eps), hidden,
+                           fp8_out=(q.view(-1, hidden), scale.view(-1, 1)))  # fmt: skip
+    return q, scale
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual_out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_add_rms_norm` with the normed rows quantized per token to fp8: returns
+    ``(q, scale, new_residual)``, ``q``/``scale`` as :func:`rms_norm_fp8` gives them for
+    ``new_residual = x + residual`` (written to ``residual_out``, a new tensor when None;
+    ``residual_out=residual`` updates it in place)."""
+    op = "fused_add_rms_norm_fp8"
+    hidden = check_norm(op, x, residual, weight, eps)
+    check_out(op, "residual_out", residual_out, x.shape, x)
+    if resolve_backend(x.device, backend) == "torch":
+        return torch_impl.fused_add_rms_norm_fp8(x, residual, weight, eps, residual_out)
+    check_triton_norm(op, hidden)
+    check_fp8_triton(op, x.device)
+    if residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    q, scale = _fp8_rows(x, hidden)
+    rows = read_rows(x, hidden)
+    triton_launch.rms_norm(
+        rows, residual_out, rows, read_rows(residual, hidden), weight.contiguous(), float(eps),
+        hidden, fp8_out=(q.view(-1, hidden), scale.view(-1, 1)),
+    )  # fmt: skip
+    return q, scale, residual_out
+
+
+def silu_and_mul_fp8(
+    x: torch.Tensor, *, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul` with its output quantized per token to fp8 (the input of an fp8
+    down projection) in one kernel: ``(q [..., I] float8_e4m3fn, scale [..., 1] float32)``,
+    exactly ``quantize_fp8_per_token`` of :func:`silu_and_mul`'s rows on the same backend.
+    A program holds a whole row (the scale needs its largest magnitude): the Triton path takes
+    ``I <= MAX_HIDDEN``."""
+    op = "silu_and_mul_fp8"
+    inter = check_silu_and_mul(op, x, None)
+    if resolve_backend(x.device, backend) == "torch":
+        return torch_impl.silu_and_mul_fp8(x)
+    check_triton_norm(op, inter)
+    check_fp8_triton(op, x.device)
+    q, scale = _fp8_rows(x, inter)
+    triton_launch.silu_and_mul(x, read_rows(x, 2 * inter), inter,
+                               fp8_out=(q.view(-1, inter), scale.view(-1, 1)))  # fmt: skip
+    return q, scale
 
 
 def rotary_embedding(

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_fp8",
+    "rms_norm",
+    "rms_norm_fp8",
+    "rotary_embedding",
+    "silu_and_mul",
+    "silu_and_mul_fp8",
+]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,6 +38,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``gate * sigmoid(gate) * up`` for ``x = [gate, up]`` along the last dim, in float64."""
     gate, up = x.to(torch.float64).chunk(2, dim=-1)
     return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def _fp8_rows(y: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``*_fp8`` ops' definition: the float64 result rounded to the model dtype (the
+    values the unfused op would store), then quantized per token by the quantization op's
+    reference; shapes ``[..., width]`` and ``[..., 1]``."""
+    from pagedattn_kernels.quant.reference import quantize_fp8_per_token
+
+    rows = y.to(dtype).reshape(-1, y.shape[-1])
+    q, scale = quantize_fp8_per_token(rows)
+    return q.view(y.shape), scale.view(*y.shape[:-1], 1)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: :func:`rms_norm` in x's dtype, quantized per token to e4m3."""
+    return _fp8_rows(rms_norm(x, weight, eps), x.dtype)
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, s)``: :func:`fused_add_rms_norm`'s norm quantized as in
+    :func:`rms_norm_fp8`, and the new residual ``s`` (float64 of the dtype's sum)."""
+    y, s = fused_add_rms_norm(x, residual, weight, eps)
+    return (*_fp8_rows(y, x.dtype), s)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: :func:`silu_and_mul` in x's dtype, quantized per token to e4m3."""
+    return _fp8_rows(silu_and_mul(x), x.dtype)
 
 
 def rotary_embedding(

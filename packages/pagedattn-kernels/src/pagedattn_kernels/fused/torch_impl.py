@@ -11,12 +11,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedattn_kernels.common import FP8_DTYPE
+from pagedattn_kernels.quant import torch_impl as quant
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Hugging Face's LlamaRMSNorm, operation for operation (models/layers.py RMSNorm).
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def to_fp8_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y [..., width]`` quantized per token (the quantization op's torch path): the ``*_fp8``
+    ops unfused, ``(q [..., width] e4m3, scale [..., 1] float32)``."""
+    width = y.shape[-1]
+    rows = y.reshape(-1, width)
+    q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=y.device)
+    scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=y.device)
+    quant.quantize_fp8_per_token(rows, q, scale)
+    return q.view(y.shape), scale.view(*y.shape[:-1], 1)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return to_fp8_rows(_rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, s = fused_add_rms_norm(x, residual, weight, eps, None, residual_out)
+    return (*to_fp8_rows(y), s)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return to_fp8_rows(silu_and_mul(x, None))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Triton kernels for a decoder layer's elementwise work (device code only; the launchers are
 in ``triton_launch``, the public ops in ``ops``): RMSNorm with the residual add fused in,
-SiLU-and-multiply, rotary embedding.
+SiLU-and-multiply, rotary embedding; the first two can also quantize their output per token to
+fp8 (``QUANT``), the input of the fp8 linear layer that follows.
 
 Each kernel reproduces the rounding sequence of the unfused torch composition it replaces
 (Hugging Face's Llama: ``models/layers.py``), not just its mathematical value, so that a model
@@ -60,6 +61,33 @@ def _round(v, like_ptr, ROUND: tl.constexpr):
         return v
 
 
+@triton.jit
+def _e4m3(y):
+    """fp32 ``y`` (already within +-448) to e4m3, nearest value, ties to even, with integer
+    operations: the same encoder as ``pagedattn_kernels.quant.triton_kernels._e4m3`` (see its
+    docstring; repeated because a kernel module holds its own helpers)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
+    steps = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
+    subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(mag < 0x3C800000, subnormal, normal) | sign
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale):
+    """Quantize whole rows ``y [ROWS, BLOCK]`` (fp32 holding model-dtype values; zeros past
+    the row's end) per token to e4m3, as ``quantize_fp8_per_token`` does to the same values:
+    ``scale = max(amax / 448, min_scale)``, ``q = e4m3(clamp(y / scale))``, IEEE divisions."""
+    amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -448.0), 448.0)
+    tl.store(q_ptr + r64 * stride_q + cols[None, :], _e4m3(v), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def rms_norm_kernel(
     out_ptr,
@@ -74,11 +102,16 @@ def rms_norm_kernel(
     stride_ro,
     inv_hidden,
     eps,
+    q_ptr,
+    scale_ptr,
+    stride_q,
+    min_scale,
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     ADD: tl.constexpr,
     ROUND: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """ROWS rows per program, each whole (BLOCK_H >= HIDDEN): read once, written once.
 
@@ -87,11 +120,16 @@ def rms_norm_kernel(
     ``weight * (s * rsqrt(mean(s^2) + eps)).to(dtype)``; the mean is ``sum * fl32(1/HIDDEN)``
     as torch's CUDA mean computes it. All loads precede the stores, so ``out`` may be ``x`` and
     ``residual_out`` may be ``residual`` (in place).
+
+    QUANT: the normed rows are not stored in the model dtype but quantized per token to e4m3
+    (``_store_fp8_rows``: ``q_ptr`` and the scales at ``scale_ptr``), the input of an fp8
+    linear layer; ``out_ptr`` only gives the model dtype for the roundings.
     """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < HIDDEN
-    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & col_ok[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if ADD:
@@ -107,7 +145,11 @@ def rms_norm_kernel(
     h = _round(x * inv_rms[:, None], out_ptr, ROUND)
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = _round(w[None, :] * h, out_ptr, ROUND)
-    tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale)
+    else:
+        tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -117,17 +159,27 @@ def silu_and_mul_kernel(
     num_rows,
     stride_x,
     stride_o,
+    q_ptr,
+    scale_ptr,
+    stride_q,
+    min_scale,
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     ROUND: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """``out[t, i] = silu(x[t, i]) * x[t, INTER + i]`` for a [ROWS, BLOCK] tile; silu as
-    torch computes it, ``g / (1 + expf(-g))``, rounded to the dtype before the product."""
+    torch computes it, ``g / (1 + expf(-g))``, rounded to the dtype before the product.
+
+    QUANT (BLOCK >= INTER: a program holds whole rows): the products are quantized per token
+    to e4m3 (``_store_fp8_rows``) instead of stored, the input of an fp8 down projection;
+    ``out_ptr`` only gives the model dtype for the roundings."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < num_rows)[:, None] & (cols < INTER)[None, :]
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (cols < INTER)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     gate_ptrs = x_ptr + r64 * stride_x + cols[None, :]
     g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -138,7 +190,11 @@ def silu_and_mul_kernel(
         e = tl.exp(-g)
     s = _round(tl.math.div_rn(g, 1.0 + e), out_ptr, ROUND)
     y = _round(s * u, out_ptr, ROUND)
-    tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale)
+    else:
+        tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from pagedattn_kernels.common import is_interpreted, kernels_for, next_power_of_2
+from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
 KERNELS = "pagedattn_kernels.fused.triton_kernels"
 
@@ -67,10 +68,13 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     hidden: int,
+    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``rms_norm_kernel`` over the rows of ``x [rows, hidden]``: the plain norm into ``out``
     (``residual`` None), or, with ``residual``, the sum into ``residual_out`` and its norm into
-    ``out`` (both ops' Triton path)."""
+    ``out`` (both ops' Triton path). With ``fp8_out = (q [rows, hidden] e4m3, scale [rows, 1]
+    float32)`` the norm goes there, quantized per token, and ``out`` (any tensor of x's dtype
+    and shape, e.g. ``x``) is not written."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
@@ -88,35 +92,46 @@ def rms_norm(
         tile = rows * block_h
         num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
     residual = residual if add else x
+    q, scale = fp8_out if fp8_out is not None else (out2, out2)
     kernel[(-(-num_rows // rows),)](
         out2, res_out2, x, residual, weight, num_rows,
         x.stride(0), residual.stride(0), out2.stride(0), res_out2.stride(0),
-        _fp32_reciprocal(hidden), eps,
+        _fp32_reciprocal(hidden), eps, q, scale, q.stride(0), MIN_SCALE,
         HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, ADD=add,
-        ROUND=_round_mode(x.dtype, interpreted),
+        ROUND=_round_mode(x.dtype, interpreted), QUANT=fp8_out is not None,
         num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
 
 
-def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int) -> None:
-    """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``."""
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
+                 fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``, or
+    with ``fp8_out = (q [rows, inter] e4m3, scale [rows, 1] float32)`` quantized per token
+    there (a program per row; ``out`` then only gives the dtype and is not written)."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
-    out2 = row_view(out, inter)
+    out2 = row_view(out, inter) if fp8_out is None else x
     kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
     interpreted = is_interpreted(kernel)
-    if interpreted:
+    num_warps = 4
+    if fp8_out is not None:  # whole rows: the scale needs the row's largest magnitude
+        block = next_power_of_2(inter)
+        rows = min(next_power_of_2(num_rows), max(1, _INTERPRETER_TILE // block)) if interpreted else 1
+        num_warps = 4 if interpreted or block <= 1024 else 8 if block <= 4096 else 16
+    elif interpreted:
         block = min(next_power_of_2(inter), _INTERPRETER_TILE)
         rows = min(next_power_of_2(num_rows), max(1, _INTERPRETER_TILE // block))
     else:  # 1024 elements per program: 16-byte accesses for 16-bit types with 4 warps
         block = min(1024, next_power_of_2(inter))
         rows = max(1, 1024 // block)
+    q, scale = fp8_out if fp8_out is not None else (out2, out2)
     grid = (-(-num_rows // rows), -(-inter // block))
     kernel[grid](
-        out2, x, num_rows, x.stride(0), out2.stride(0),
+        out2, x, num_rows, x.stride(0), out2.stride(0), q, scale, q.stride(0), MIN_SCALE,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
-        LIBDEVICE=not interpreted, num_warps=4, enable_fp_fusion=False,
+        LIBDEVICE=not interpreted, QUANT=fp8_out is not None, num_warps=num_warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
 
 

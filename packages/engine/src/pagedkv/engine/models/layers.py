@@ -22,6 +22,7 @@ from torch import nn
 
 import pagedattn_kernels
 from pagedattn_kernels.ops import MAX_HIDDEN
+from pagedkv.engine.models.quantization import Fp8Rows
 
 
 def fused_kernels_enabled(device: torch.device) -> bool:
@@ -46,12 +47,17 @@ class RMSNorm(nn.Module):
     that is one pass which writes its two results *into* ``x`` and ``residual`` (the caller
     hands both over and uses only the returned tensors), so a decoder layer allocates nothing
     for its norms.
+
+    ``fp8_out`` (set when the linear layer it feeds holds fp8 weights): with the fused kernels
+    the normed rows come back quantized per token (``Fp8Rows``, see ``models/quantization``),
+    the residual as before.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fp8_out = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -61,12 +67,19 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | Fp8Rows | tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         fused = (
             fused_kernels_enabled(x.device)
             and self.weight.dtype == x.dtype
             and x.shape[-1] <= MAX_HIDDEN
         )
+        if fused and self.fp8_out:
+            if residual is None:
+                return Fp8Rows(*pagedattn_kernels.rms_norm_fp8(x, self.weight, self.eps), x.dtype)
+            q, scale, residual = pagedattn_kernels.fused_add_rms_norm_fp8(
+                x, residual, self.weight, self.eps, residual_out=residual
+            )
+            return Fp8Rows(q, scale, x.dtype), residual
         if residual is None:
             if fused:
                 return pagedattn_kernels.rms_norm(x, self.weight, self.eps)
@@ -79,10 +92,13 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Rows:
     """SwiGLU's activation on a fused gate/up projection output ``[T, 2 * I]``:
-    ``silu(gate) * up`` (one fused kernel where :func:`fused_kernels_enabled`)."""
+    ``silu(gate) * up`` (one fused kernel where :func:`fused_kernels_enabled`; with
+    ``fp8_out``, quantized per token by that kernel for an fp8 down projection)."""
     if fused_kernels_enabled(x.device):
+        if fp8_out and x.shape[-1] // 2 <= MAX_HIDDEN:
+            return Fp8Rows(*pagedattn_kernels.silu_and_mul_fp8(x), x.dtype)
         return pagedattn_kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -86,8 +86,8 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = q.shape[0]  # x may be fp8 rows (Fp8Rows), not a tensor
         q, k = rope.apply(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -113,9 +113,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             total, cfg.hidden_size, bias=bias, tp=tp, what="intermediate_size"
         )
+        self.fp8_act = False  # the activation kernel quantizes for an fp8 down projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fp8_act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,6 +128,13 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, tp, qkv_bias=qkv_bias, o_bias=o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
+
+    def use_fp8_inputs(self) -> None:
+        """fp8 weights (``quantize_model``): the two norms and the MLP's activation quantize
+        the inputs of the Q/K/V, gate/up and down projections in their own kernels."""
+        self.input_layernorm.fp8_out = True
+        self.post_attention_layernorm.fp8_out = True
+        self.mlp.fp8_act = True
 
     def forward(
         self,

@@ -19,11 +19,21 @@ in vLLM). At run time each activation row (token) is quantized with its own *dyn
 Why per channel and per token: one scale per tensor lets a single outlier channel or token
 flatten the resolution of all others; per-row scales cost one float per row and nothing in the
 kernel's inner loop.
+
+Fused quantization: where a linear layer's input comes out of an RMSNorm or SwiGLU's
+``silu_and_mul`` (the Q/K/V and gate/up projections, the down projection), that kernel can
+quantize its own output (``pagedattn_kernels.rms_norm_fp8`` and friends) and hand the linear
+layer :class:`Fp8Rows` instead of 16-bit rows: the activation is then written and read once in
+fp8 rather than written in 16 bits, read, quantized and written again. The values are the same
+bits either way. A model opts in per layer (``use_fp8_inputs``, called by
+:func:`quantize_model`); the output projection's input (attention's output) is still quantized
+by :func:`fp8_linear` itself.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +43,16 @@ import pagedattn_kernels
 
 FP8 = torch.float8_e4m3fn
 METHODS = ("fp8",)
+
+
+class Fp8Rows(NamedTuple):
+    """Activation rows already quantized per token, as :func:`fp8_linear` would quantize them:
+    ``q [..., in]`` e4m3 and ``scale [..., 1]`` float32, from rows of ``dtype`` (the model
+    dtype, which the linear layer's output takes)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,26 +81,29 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., in] @ dequant(weight [out, in]).T + bias`` in ``x.dtype``, with ``x`` quantized
-    per token on the way (see the module docstring)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    q, x_scale = pagedattn_kernels.quantize_fp8_per_token(x2)
-    if uses_scaled_mm(x2, weight):
+    per token on the way (see the module docstring), or already quantized (:class:`Fp8Rows`)."""
+    if isinstance(x, Fp8Rows):
+        shape, dtype = x.q.shape, x.dtype
+        q, x_scale = x.q.reshape(-1, shape[-1]), x.scale.reshape(-1, 1)
+    else:
+        shape, dtype = x.shape, x.dtype
+        q, x_scale = pagedattn_kernels.quantize_fp8_per_token(x.reshape(-1, shape[-1]))
+    if uses_scaled_mm(q, weight):
         # Row-wise scaling produces bfloat16 only; other model dtypes are cast after.
         y = torch._scaled_mm(
             q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=torch.bfloat16
         )
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
+        if y.dtype != dtype:
+            y = y.to(dtype)
     else:
         y = F.linear(q.to(torch.float32), weight.to(torch.float32))
-        y = (y * x_scale * weight_scale).to(x.dtype)
+        y = (y * x_scale * weight_scale).to(dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], weight.shape[0])
@@ -104,6 +127,11 @@ def quantize_model(model: nn.Module, method: str) -> int:
         q, scale = quantize_weight(layer.weight)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = scale  # the layer registered a None buffer of that name
+        if getattr(layer, "packed_weight", None) is not None:  # a CPU copy of the old weight
+            layer.packed_weight = None
+    for module in model.modules():  # norms and activations that feed them quantize themselves
+        if hasattr(module, "use_fp8_inputs"):
+            module.use_fp8_inputs()
     return len(layers)
 
 
