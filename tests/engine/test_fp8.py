@@ -387,8 +387,8 @@ def test_fused_fp8_inputs_give_the_same_logits(tiny_checkpoint, single_thread, m
     cfg, model = _tiny_llama(tiny_checkpoint)
     quantize_model(model, "fp8")
     layers = list(model.layers)
-    assert all(l.input_layernorm.fp8_out and l.post_attention_layernorm.fp8_out
-               and l.mlp.fp8_act for l in layers)  # fmt: skip
+    assert all(layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out
+               and layer.mlp.fp8_act for layer in layers)  # fmt: skip
     assert not model.norm.fp8_out  # the final norm feeds the 16-bit LM head
     calls = {"norm": 0, "act": 0}
     for name, key in (("rms_norm_fp8", "norm"), ("fused_add_rms_norm_fp8", "norm"),
