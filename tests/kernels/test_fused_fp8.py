@@ -4,7 +4,8 @@
 Their contract is exact, so most of this file checks bits (fp8 codes compared as uint8, scales
 and residuals with ``torch.equal``):
 
-- each op is the unfused composition bit for bit on the same backend: ``rms_norm`` /
+- each op is the unfused composition bit for bit on the same backend (but for the compiled
+  norms' sum order: ``_assert_nearly_same_fp8``): ``rms_norm`` /
   ``fused_add_rms_norm`` / ``silu_and_mul`` followed by ``quantize_fp8_per_token`` of the rows
   (codes, scales, the new residual), for every float dtype, widths that are powers of two and
   not, one row and many (several programs in the interpreter), rows of very different
@@ -61,6 +62,21 @@ def _assert_same_fp8(got, want, what: str) -> None:
     assert torch.equal(s, ws), f"{what}: scales differ in {int((s != ws).sum())} rows"
     differ = int((_codes(q) != _codes(wq)).sum())
     assert differ == 0, f"{what}: {differ}/{q.numel()} fp8 codes differ"
+
+
+def _assert_nearly_same_fp8(got, want, what: str) -> None:
+    """The compiled RMSNorm with its fp8 epilogue is another kernel than the plain one, and
+    the compiler may add a row's squares in another order (as ``rms_norm`` may against torch):
+    ``rsqrt`` can then differ in its last fp32 bit. Scales within 2 fp32 ulps, codes at most
+    one e4m3 step apart and in at most 0.1% of the elements (seen on an H200: float32 at
+    512 x 4096 only; bfloat16 and float16 bit for bit)."""
+    (q, s), (wq, ws) = got, want
+    assert q.shape == wq.shape and s.shape == ws.shape, f"{what}: shapes {q.shape}, {s.shape}"
+    assert torch.allclose(s, ws, rtol=2 * EPS[F32], atol=0), f"{what}: scales differ"
+    steps = (_codes(q).int() - _codes(wq).int()).abs()  # same sign: one step is one code
+    assert int(steps.max()) <= 1, f"{what}: a code {int(steps.max())} steps away"
+    differ = int((steps > 0).sum())
+    assert differ <= max(1, q.numel() // 1000), f"{what}: {differ}/{q.numel()} codes differ"
 
 
 def _inputs(target, seed, rows, width, dtype, *, silu):
@@ -131,7 +147,10 @@ def test_equals_the_unfused_composition(target, seed, op, dtype, case):
     assert torch.equal(x, x0) and torch.equal(residual, r0), f"{what}: inputs were written"
     want = _unfused(op, x, residual, weight, eps, target.backend)
     assert got[0].shape == (rows, width) and got[1].shape == (rows, 1), what
-    _assert_same_fp8(got[:2], want[:2], what)
+    if target.device == "cuda" and target.backend == "triton" and not silu:
+        _assert_nearly_same_fp8(got[:2], want[:2], what)
+    else:
+        _assert_same_fp8(got[:2], want[:2], what)
     if op == "fused_add_rms_norm_fp8":
         assert torch.equal(got[2], want[2]), f"{what}: the new residual differs from the unfused"
         assert torch.equal(got[2], x0 + r0), f"{what}: the new residual is not x + residual"

@@ -165,9 +165,12 @@ def rms_norm_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` with its output quantized per token to fp8, the input of an fp8 linear
     layer (``--quantization fp8``) in one kernel: returns ``(q [..., hidden] float8_e4m3fn,
-    scale [..., 1] float32)``, exactly ``quantize_fp8_per_token`` of :func:`rms_norm`'s rows
-    on the same backend (the normed values are rounded to x's dtype first, as unfused), without
-    writing them in x's dtype and reading them back."""
+    scale [..., 1] float32)``: ``quantize_fp8_per_token`` of :func:`rms_norm`'s rows (the
+    normed values are rounded to x's dtype first, as unfused), without writing them in x's
+    dtype and reading them back. The torch path and the interpreter give exactly the unfused
+    composition's bits; the compiled kernel may add the squares in another order than the
+    plain norm kernel, so a scale can differ in its last fp32 bit and a rare code by one step
+    (on an H200: float32 rows of 4096; bfloat16 and float16 were identical)."""
     op = "rms_norm_fp8"
     hidden = check_norm(op, x, None, weight, eps)
     if resolve_backend(x.device, backend) == "torch":
@@ -217,7 +220,8 @@ def silu_and_mul_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`silu_and_mul` with its output quantized per token to fp8 (the input of an fp8
     down projection) in one kernel: ``(q [..., I] float8_e4m3fn, scale [..., 1] float32)``,
-    exactly ``quantize_fp8_per_token`` of :func:`silu_and_mul`'s rows on the same backend.
+    exactly ``quantize_fp8_per_token`` of :func:`silu_and_mul`'s rows on the same backend
+    (elementwise: no sum order to differ).
     A program holds a whole row (the scale needs its largest magnitude): the Triton path takes
     ``I <= MAX_HIDDEN``."""
     op = "silu_and_mul_fp8"

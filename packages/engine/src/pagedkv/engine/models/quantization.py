@@ -25,7 +25,7 @@ Fused quantization: where a linear layer's input comes out of an RMSNorm or SwiG
 quantize its own output (``pagedattn_kernels.rms_norm_fp8`` and friends) and hand the linear
 layer :class:`Fp8Rows` instead of 16-bit rows: the activation is then written and read once in
 fp8 rather than written in 16 bits, read, quantized and written again. The values are the same
-bits either way. A model opts in per layer (``use_fp8_inputs``, called by
+(bit for bit but for the compiled norm's sum order, see ``pagedattn_kernels.rms_norm_fp8``). A model opts in per layer (``use_fp8_inputs``, called by
 :func:`quantize_model`); the output projection's input (attention's output) is still quantized
 by :func:`fp8_linear` itself.
 """
