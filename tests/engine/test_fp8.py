@@ -383,7 +383,10 @@ def test_fused_fp8_inputs_give_the_same_logits(tiny_checkpoint, single_thread, m
     kernels on the CPU (``PAGEDATTN_BACKEND=triton``), and the fused ops are seen to run."""
     import pagedattn_kernels
 
+    from pagedkv.engine.models import layers as model_layers
+
     monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
+    monkeypatch.setattr(model_layers, "FUSED_FP8_ACT_MIN_ROWS", 1)  # 1-row decode steps too
     cfg, model = _tiny_llama(tiny_checkpoint)
     quantize_model(model, "fp8")
     layers = list(model.layers)
@@ -412,6 +415,10 @@ def test_fused_fp8_inputs_give_the_same_logits(tiny_checkpoint, single_thread, m
     unfused = _top_logprobs(engine, prompt, "unfused")
     assert calls == before  # the second run quantized in fp8_linear only
     assert fused == unfused
+    # Below FUSED_FP8_ACT_MIN_ROWS rows the activation does not quantize (too few programs).
+    monkeypatch.setattr(model_layers, "FUSED_FP8_ACT_MIN_ROWS", 64)
+    out = model_layers.silu_and_mul(torch.randn(3, 8), fp8_out=True)
+    assert isinstance(out, torch.Tensor) and calls == before
 
 
 def test_fp8_weights_of_an_unsupported_model_are_a_clear_error(tiny_checkpoint):
