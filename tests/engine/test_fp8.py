@@ -382,7 +382,6 @@ def test_fused_fp8_inputs_give_the_same_logits(tiny_checkpoint, single_thread, m
     same kernels unfused, with ``fp8_linear`` quantizing. Triton's interpreter runs the fused
     kernels on the CPU (``PAGEDATTN_BACKEND=triton``), and the fused ops are seen to run."""
     import pagedattn_kernels
-
     from pagedkv.engine.models import layers as model_layers
 
     monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
