@@ -12,7 +12,8 @@
   4096x4096, gate/up 28672x4096, down 4096x14336) at M tokens (a decode step of M sequences):
   ``F.linear`` in the model dtype against the engine's fp8 path (``fp8_linear``: per-token
   activation quantization, then ``torch._scaled_mm`` with per-channel weight scales on Hopper),
-  and the scaled matmul alone; ``gemm_layer`` sums each M's four. The issue's goal is the layer
+  and the scaled matmul alone (also with ``use_fast_accum``: ``gemm_fast_accum_us``); ``gemm_layer``
+  sums each M's four. The issue's goal is the layer
   sum at M = 512 (``gemm_fp8_vs_16bit_m512`` >= 1.6).
 - ``gemm_layer_fused``: the four linear layers as a decode step runs them, with the kernels
   that make their inputs: fused add + RMSNorm before Q/K/V and gate/up, SiLU-and-multiply
@@ -248,6 +249,10 @@ def bench_gemm(setup: Setup, gen: torch.Generator) -> tuple[list[dict], list[dic
                 return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
                                         out_dtype=torch.bfloat16)  # fmt: skip
 
+            def gemm_fast_accum(xq=xq, xs=xs, wq=wq, ws=ws) -> torch.Tensor:
+                return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+
             err = rel_error(fp8(), b16().double())
             row: dict[str, Any] = {
                 "m": m, "op": name, "n": n, "k": k,
@@ -257,6 +262,14 @@ def bench_gemm(setup: Setup, gen: torch.Generator) -> tuple[list[dict], list[dic
             }  # fmt: skip
             if scaled_mm:
                 row["gemm_only_us"] = _time(gemm_only, dev) * 1e6
+                # fp8 tensor cores' own accumulation, without the promotion to fp32 every
+                # 128 products that the default does: faster, less accurate (rel_err_*)
+                try:
+                    row["gemm_fast_accum_us"] = _time(gemm_fast_accum, dev) * 1e6
+                    row["rel_err_fast_accum_vs_16bit"] = rel_error(gemm_fast_accum(),
+                                                                   b16().double())
+                except RuntimeError as exc:  # a torch without fast accumulation here
+                    row["gemm_fast_accum_error"] = repr(exc)[:200]
             row["vs_16bit"] = row["us_16bit"] / row["us"]
             g8, g16 = _time_graph(fp8, dev), _time_graph(b16, dev)
             if g8 is not None and g16 is not None:
@@ -265,6 +278,8 @@ def bench_gemm(setup: Setup, gen: torch.Generator) -> tuple[list[dict], list[dic
             print(f"gemm {name:8s} M={m:<5d} {n}x{k}: 16-bit {row['us_16bit']:8.1f} us  fp8 "
                   f"{row['us']:8.1f} us (quant {row['quant_us']:.1f}"
                   + (f", matmul {row['gemm_only_us']:.1f}" if "gemm_only_us" in row else "")
+                  + (f", fast accum {row['gemm_fast_accum_us']:.1f}"
+                     if "gemm_fast_accum_us" in row else "")
                   + f") x{row['vs_16bit']:.2f}"
                   + (f" | graph x{row['graph_vs_16bit']:.2f}" if "graph_vs_16bit" in row else "")
                   + f"  err {err:.1e}  [{row['path']}]", flush=True)  # fmt: skip
@@ -278,6 +293,9 @@ def bench_gemm(setup: Setup, gen: torch.Generator) -> tuple[list[dict], list[dic
         if all("gemm_only_us" in r for r in ops):
             total["gemm_only_us"] = sum(r["gemm_only_us"] for r in ops)
             total["gemm_only_vs_16bit"] = total["us_16bit"] / total["gemm_only_us"]
+        if all("gemm_fast_accum_us" in r for r in ops):
+            total["gemm_fast_accum_us"] = sum(r["gemm_fast_accum_us"] for r in ops)
+            total["gemm_fast_accum_vs_16bit"] = total["us_16bit"] / total["gemm_fast_accum_us"]
         if all("graph_us" in r for r in ops):
             g8 = sum(r["graph_us"] for r in ops)
             g16 = sum(r["graph_us_16bit"] for r in ops)
@@ -375,5 +393,7 @@ def fp8_headlines(decode: list[dict], prefill: list[dict], layer: list[dict],
         "gemm_fp8_vs_16bit_m512": pick(layer, "vs_16bit", m=512),
         "gemm_fp8_graph_vs_16bit_m512": pick(layer, "graph_vs_16bit", m=512),
         "gemm_fp8_matmul_only_vs_16bit_m512": pick(layer, "gemm_only_vs_16bit", m=512),
+        "gemm_fp8_fast_accum_matmul_only_vs_16bit_m512": pick(layer, "gemm_fast_accum_vs_16bit",
+                                                              m=512),
         "gemm_fp8_fused_graph_vs_16bit_m512": pick(layer_fused or [], "graph_vs_16bit", m=512),
     }
