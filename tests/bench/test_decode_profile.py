@@ -44,3 +44,21 @@ def test_kernel_table_sums_gpu_time_per_step() -> None:
     assert "gemm" in format_kernel_table(table)
     empty = kernel_table(SimpleNamespace(events=lambda: []), steps=1)
     assert format_kernel_table(empty) == "  (no GPU kernels traced)"
+
+
+def test_timed_steps_are_decode_steps_after_chunked_prefills() -> None:
+    """Prompts that take several chunked prefill passes and no warm-up steps: the timed
+    window still holds only decode steps of the whole batch (it used to start as soon as the
+    prompts were added, so at large batches it timed prefills)."""
+    from pagedkv.bench import decode_step
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        device="cpu", kv_cache_gb=0.05, skip_tokenizer_init=True, max_num_batched_tokens=32,
+        max_num_seqs=8,
+    ))  # fmt: skip
+    engine.emit_partial_outputs = False
+    result = decode_step.measure_batch(engine, 4, 40, steps=3, warmup=0)
+    assert result["decode_only"] and result["num_running"] == 4
+    assert not engine.has_unfinished_requests()  # aborted at the end

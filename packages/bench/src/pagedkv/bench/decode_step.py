@@ -139,15 +139,19 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
     params = SamplingParams(max_tokens=room + 8, temperature=0.0, ignore_eos=True,
                             detokenize=False)
     ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
-    prompt0 = engine.get_stats().prompt_tokens
     for rid, n in zip(ids, lengths):
         engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(n)], params)
     try:
-        # prefills (chunked): every prompt token computed once
+        # Prefills (chunked), until a step is a decode step of the whole batch: nothing waits
+        # and every sequence got a token. (The stats' prompt_tokens counts prompts as they are
+        # added, not as they are computed: it cannot tell when the prefills are done.)
         for _ in range(10 * batch_size + 100):
-            if engine.get_stats().prompt_tokens - prompt0 >= sum(lengths):
-                break
+            before = engine.get_stats().generation_tokens
             engine.step()
+            st = engine.get_stats()
+            if (st.num_waiting == 0 and st.num_running == batch_size
+                    and st.generation_tokens - before == batch_size):  # fmt: skip
+                break
         else:
             raise RuntimeError(f"the prefills of {batch_size} requests did not finish")
         for _ in range(warmup):
@@ -155,12 +159,15 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
         times = []
         _sync(engine.device)
         clock = time.perf_counter
+        tokens0 = engine.get_stats().generation_tokens
         for _ in range(steps):
             t0 = clock()
             engine.step()
             times.append(clock() - t0)
         _sync(engine.device)
         running = engine.get_stats().num_running
+        # Every timed step a decode step of the whole batch: one token per sequence each.
+        decode_only = engine.get_stats().generation_tokens - tokens0 == steps * batch_size
         kernels = None
         if profile_steps:
             import torch
@@ -180,6 +187,9 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
     if running != batch_size:
         logger.warning("batch %d: %d sequences running at the end (preempted or finished): "
                        "not a steady decode state", batch_size, running)
+    if not decode_only:
+        logger.warning("batch %d: the timed steps were not all decode steps of the whole "
+                       "batch (prefills or preemptions inside the window)", batch_size)
     return {
         "batch_size": batch_size,
         "decode_step_ms": 1e3 * sum(times) / len(times),
@@ -188,6 +198,7 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
         "steps": steps,
         "context_mean": statistics.fmean(lengths) + warmup + steps / 2,
         "num_running": running,
+        "decode_only": decode_only,
         **({"kernels": kernels} if kernels is not None else {}),
     }
 
