@@ -31,6 +31,8 @@ import torch
 import pagedattn_kernels as pk
 from pagedattn_kernels import reference
 
+from .test_fused_ops import _rejected
+
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 DTYPES = [F32, F16, BF16]
 EPS = {F32: 2.0**-23, F16: 2.0**-10, BF16: 2.0**-7}  # distance from 1 to the next value
@@ -317,14 +319,6 @@ def test_close_to_the_float64_reference(target, seed, op, dtype):
 
 
 # --------------------------------------------------------------------------- bad calls
-
-
-def _rejected(fn, *tensors, match: str):
-    before = [t.clone() for t in tensors]
-    with pytest.raises(ValueError, match=match):
-        fn()
-    for t, b in zip(tensors, before):
-        assert torch.equal(t, b), "a rejected call must not write"
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
