@@ -1,5 +1,6 @@
 """Fused elementwise ops of a decoder layer: RMSNorm (alone, or with the residual add fused in),
-SiLU-and-multiply, rotary embedding.
+SiLU-and-multiply, rotary embedding; and the norms and SiLU-and-multiply with their output
+quantized per token to fp8 in the same kernel (``*_fp8``: the inputs of fp8 linear layers).
 
 Unfused, each is a chain of small torch kernels that every one reads and writes the whole
 activation (RMSNorm alone is eight: add, cast, square, mean, add, rsqrt, multiply, cast,

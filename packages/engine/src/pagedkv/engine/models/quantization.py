@@ -24,10 +24,11 @@ Fused quantization: where a linear layer's input comes out of an RMSNorm or SwiG
 ``silu_and_mul`` (the Q/K/V and gate/up projections, the down projection), that kernel can
 quantize its own output (``pagedattn_kernels.rms_norm_fp8`` and friends) and hand the linear
 layer :class:`Fp8Rows` instead of 16-bit rows: the activation is then written and read once in
-fp8 rather than written in 16 bits, read, quantized and written again. The values are the same
-(bit for bit but for the compiled norm's sum order, see ``pagedattn_kernels.rms_norm_fp8``). A model opts in per layer (``use_fp8_inputs``, called by
-:func:`quantize_model`); the output projection's input (attention's output) is still quantized
-by :func:`fp8_linear` itself.
+fp8 rather than written in 16 bits, read, quantized and written again. The values are the
+same (bit for bit, but for the compiled norm's sum order: ``pagedattn_kernels.rms_norm_fp8``).
+A model opts in per layer (``use_fp8_inputs``, called by :func:`quantize_model`); the output
+projection's input (attention's output) is still quantized by :func:`fp8_linear` itself, and
+SiLU-and-multiply quantizes only from ``FUSED_FP8_ACT_MIN_ROWS`` rows (``models/layers``).
 """
 
 from __future__ import annotations
