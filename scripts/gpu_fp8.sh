@@ -23,6 +23,10 @@
 #     scripts/prefill_variants.py --gap (the prefill kernel's remaining gap to a minimal TMA
 #     kernel) and scripts/decode_fp8_variants.py (why decode on an fp8 cache stays at ~46% of
 #     the copy bandwidth)                        -> prefill_gap.json, decode_fp8_variants.json
+#   bash scripts/gpu_fp8.sh weightonly         # ~3 min
+#     scripts/fp8_weight_only_gemm.py: a weight-only fp8 GEMM (e4m3 weights widened in the
+#     kernel, bf16 activations) against bf16 F.linear and fp8_linear at M = 1-128, the four
+#     Llama-3-8B linear shapes                    -> fp8_weight_only_gemm.json
 #   bash scripts/gpu_fp8.sh accuracy           # ~1 min, with the embedded model joined
 #     `python -m pagedkv.bench.fp8_accuracy` in bf16 on the GPU: greedy agreement of fp8 KV,
 #     fp8 weights and both with bf16, 64 prompts x 64 tokens -> fp8_accuracy_smollm2_bf16.json
@@ -49,7 +53,7 @@ PYTHON="${PYTHON:-python3}"
 SMOKE="${SMOKE:-0}"
 mkdir -p "$OUT"
 parts=("$@")
-[[ ${#parts[@]} -eq 0 ]] && parts=(tests kernels bf16 fp8 accuracy)  # diagnose: on demand
+[[ ${#parts[@]} -eq 0 ]] && parts=(tests kernels bf16 fp8 accuracy)  # diagnose, weightonly: on demand
 source scripts/gpu_env.sh || exit 1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 || echo "no nvidia-smi"
@@ -150,6 +154,14 @@ for part in "${parts[@]}"; do
         --output-json "$OUT/decode_fp8_variants.json" > "$OUT/decode_fp8_variants.log" 2>&1
       grep -E "of copy|error" "$OUT/decode_fp8_variants.log"
       ;;
-    *) echo "unknown part $part (tests, kernels, bf16, fp8, accuracy, diagnose)" ;;
+    weightonly)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== weightonly: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== weight-only fp8 GEMM against bf16 and fp8_linear"
+      timeout 300 "$PYTHON" scripts/fp8_weight_only_gemm.py --budget-s 180 --commit "${PAGEDKV_COMMIT:-}" \
+        --output-json "$OUT/fp8_weight_only_gemm.json" > "$OUT/fp8_weight_only_gemm.log" 2>&1
+      echo "    exit $?"
+      grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
+      ;;
+    *) echo "unknown part $part (tests, kernels, bf16, fp8, accuracy, diagnose, weightonly)" ;;
   esac
 done

@@ -1,0 +1,317 @@
+"""Can a weight-only fp8 GEMM make small-batch decode faster than bf16? A diagnosis.
+
+With ``--quantization fp8`` the linear layers hold e4m3 weights with one float32 scale per
+output channel, and ``fp8_linear`` quantizes the activations per token and calls
+``torch._scaled_mm``. At the batch sizes of decode (1-64 rows) that is barely faster than bf16
+``F.linear`` on an H200 (Llama-3-8B layer at M=16: 3.53 ms fp8 against 3.83 ms bf16 per
+step) although it reads half the weight bytes: cuBLAS tiles M=16 as 128x128. vLLM answers with
+a weight-only kernel (fp8 Marlin): bf16 activations, e4m3 weights widened in the kernel, the
+per-channel scale applied in the epilogue. This script times a Triton kernel of that kind,
+
+    y[M, N] = (x[M, K] @ Wq[N, K].T) * w_scale[N]    x bf16, Wq e4m3, fp32 accumulation, bf16 out
+
+  dot   BLOCK_M = 16 (32, 64 for larger M; rows past M masked), the e4m3 tile widened to bf16
+        in registers before ``tl.dot``; split-K (grid axis 2) when N / BLOCK_N tiles alone
+        would leave SMs idle: each split writes fp32 partials [SPLIT_K, M, N] and a second
+        small kernel sums them, applies the scale and casts to bf16. (Atomics would need a
+        zeroed fp32 buffer and still a pass to scale and cast: three launches instead of two,
+        and a summation order that changes from run to run. The automatic split keeps the
+        partials under 1/8 of the weight bytes, and they stay in L2.)
+  fma   M <= 4 only: no tensor cores, the widened tile multiplied and summed in fp32 (GEMV)
+
+next to bf16 ``F.linear`` and the engine's ``fp8_linear``, on Llama-3-8B's four linear shapes
+(Q/K/V 6144x4096, O 4096x4096, gate/up 28672x4096, down 4096x14336) at M = 1..128, replayed
+from CUDA graphs (``do_bench_cudagraph``, as ``pagedkv.bench.kernels._time_graph``). Each call
+takes the next of several weight copies (> 256 MB together), so weights come from HBM as in a
+decode step and not from the 50 MB L2. Per row: ``us``, ``bw_frac`` (weights + activations +
+output bytes against the copy bandwidth; partials not counted), ``vs_bf16`` and
+``rel_err_vs_bf16`` (against ``F.linear`` on the dequantized weights); per M the layer sum
+(``wo_fp8``: the fastest config of each shape, a slightly optimistic pick).
+
+    python scripts/fp8_weight_only_gemm.py --output-json OUT.json            # on a GPU
+    TRITON_INTERPRET=1 python scripts/fp8_weight_only_gemm.py --check        # CPU: outputs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import sys
+import time
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from variant_cli import add_common_args, check_or_gpu, write_result
+
+from pagedkv.engine.models.quantization import fp8_linear, quantize_weight
+
+log = logging.getLogger("fp8_weight_only_gemm")
+
+FP8 = torch.float8_e4m3fn
+LLAMA3_8B_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                     ("down", 4096, 14336)]  # fmt: skip
+ROTATE_BYTES = 256e6  # weight copies per variant: several L2s' worth
+
+
+@triton.jit
+def wo_fp8_kernel(
+    y_ptr, part_ptr, x_ptr, w_ptr, scale_ptr, M, N, K, k_chunk, stride_xm, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Grid (M blocks, N blocks, splits): one [BLOCK_M, BLOCK_N] tile over K range
+    [split * k_chunk, + k_chunk) (k_chunk a multiple of BLOCK_K). Rows past M and columns past
+    N re-read valid ones (``% M``, ``% N``: no masks in the loop) and are not stored. SPLIT:
+    write the raw fp32 sums to ``part [splits, M, N]`` (``splitk_reduce_kernel`` finishes),
+    else scale and store bf16. UPCAST: the interpreter, whose dot cannot multiply bf16 (numpy
+    has none): the operands go to float32, which holds their values exactly."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [K, N] view
+    k_lo = pid_k * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k)
+            w = tl.load(w_ptrs + k)
+        else:
+            x = tl.load(x_ptrs + k, mask=(k + rk < K)[None, :], other=0.0)
+            w = tl.load(w_ptrs + k, mask=(k + rk < K)[:, None], other=0.0)
+        if not USE_DOT:  # e4m3 -> fp32 (exact), products and sums on the CUDA cores
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        elif UPCAST:
+            w = w.to(tl.bfloat16).to(tl.float32)
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(tl.bfloat16), acc)  # e4m3 -> bf16 is exact
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+    else:
+        acc = acc * tl.load(scale_ptr + rn % N)[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def splitk_reduce_kernel(y_ptr, part_ptr, scale_ptr, numel, N, splits, BLOCK: tl.constexpr):
+    """y = bf16(sum over splits of part[s] * scale[n]), y and each part[s] [M, N] flat."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    acc = acc * tl.load(scale_ptr + offs % N, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(tl.bfloat16), mask=mask)
+
+
+class Config(NamedTuple):
+    kind: str  # "dot" or "fma"
+    block_n: int
+    block_k: int
+    split_k: int  # 0: auto_split
+    warps: int
+    stages: int
+
+
+# Timed on the GPU: BLOCK_K 128-256 keeps 16-32 KB of weights per stage in flight; split 1 is
+# the no-split-K baseline; fma only where M <= 4.
+CONFIGS = [Config("dot", 64, 128, 0, 4, 4), Config("dot", 128, 128, 0, 4, 4),
+           Config("dot", 64, 256, 0, 4, 3), Config("dot", 128, 128, 0, 8, 3),
+           Config("dot", 64, 128, 1, 4, 4), Config("fma", 32, 64, 0, 4, 3),
+           Config("fma", 64, 64, 0, 4, 3)]  # fmt: skip
+
+
+def block_m_for(m: int, kind: str) -> int:
+    if kind == "fma":
+        assert m <= 4, "the fma variant is for M <= 4"
+        return triton.next_power_of_2(m)
+    return min(64, max(16, triton.next_power_of_2(m)))  # tl.dot needs >= 16
+
+
+def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
+    """The split-K (a power of 2 up to max_split, >= 4 K steps per split) whose tiles * split
+    programs fill the SMs' waves best (one program per SM assumed); the smaller on a tie."""
+    splits = [s for s in (1, 2, 4, 8, 16) if k_iters >= 4 * s and s <= max_split] or [1]
+    return max(splits, key=lambda s: (tiles * s / (-(-tiles * s // sms) * sms), -s))
+
+
+def make_wo(x: torch.Tensor, scale: torch.Tensor, n: int, cfg: Config, sms: int):
+    """(launch, split): ``launch(wq)`` computes ``(x @ wq.T) * scale`` into one bf16 buffer.
+    Requirements: x [M, K] bf16 and wq [N, K] e4m3 with unit stride along K, scale float32
+    with N elements ([N] or quantize_weight's [1, N]); any M, N, K (masked)."""
+    m, k = x.shape
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1, "x: [M, K] bf16, rows contiguous"
+    scale = scale.reshape(-1).contiguous()
+    assert scale.dtype == torch.float32 and scale.numel() == n, "w_scale: N float32"
+    bm = block_m_for(m, cfg.kind)
+    grid_mn = (triton.cdiv(m, bm), triton.cdiv(n, cfg.block_n))
+    k_iters = triton.cdiv(k, cfg.block_k)
+    # fp32 partials (split * M * N * 4 bytes) at most 1/8 of the e4m3 weights (N * K)
+    split = cfg.split_k or auto_split(grid_mn[0] * grid_mn[1], k_iters, sms, k // (32 * m))
+    k_chunk = triton.cdiv(k_iters, split) * cfg.block_k
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    upcast = x.device.type == "cpu"
+
+    def launch(wq: torch.Tensor) -> torch.Tensor:
+        assert wq.dtype == FP8 and wq.shape == (n, k) and wq.stride(1) == 1, "wq: [N, K] e4m3"
+        wo_fp8_kernel[(*grid_mn, split)](
+            y, part, x, wq, scale, m, n, k, k_chunk, x.stride(0), wq.stride(0),
+            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+            EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.kind == "dot", UPCAST=upcast,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+        if split > 1:
+            splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](y, part, scale, m * n, n, split,
+                                                              BLOCK=1024)  # fmt: skip
+        return y
+
+    return launch, split
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# (M, N, K, config): M = 1, non-multiples of 16 and > 16; N and K off the tiles; an uneven and
+# an empty split (K=200: 4 steps of 64 in splits of 2, 2, 0)
+CHECK_CASES = [(1, 96, 256, Config("dot", 32, 64, 0, 4, 1)),
+               (3, 80, 200, Config("dot", 32, 64, 3, 4, 1)),
+               (16, 96, 256, Config("dot", 64, 64, 1, 4, 1)),
+               (21, 64, 192, Config("dot", 32, 64, 2, 4, 1)),
+               (40, 48, 136, Config("dot", 16, 32, 4, 4, 1)),
+               (1, 80, 200, Config("fma", 32, 64, 2, 4, 1)),
+               (4, 96, 256, Config("fma", 32, 64, 0, 4, 1))]  # fmt: skip
+
+
+def check() -> int:
+    """Each case against float64 with an elementwise bound: |y - ref| <= u |ref| + (1 + u) e,
+    u the bf16 rounding of the output (8 significant bits: 2^-8 rounding to nearest on the GPU;
+    2^-7 under the interpreter, which truncates float32 to bf16) and e the fp32 accumulation's
+    (K + 2) * 2^-24 * (|x| @ |W|.T) (products exact, K sums in any order, then the scale)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    u = 2.0**-8 if dev == "cuda" else 2.0**-7
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bad = 0
+    for m, n, k, cfg in CHECK_CASES:
+        w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
+        w[::7] *= 30.0  # channels of different scales
+        wq, ws = quantize_weight(w.to(torch.bfloat16))
+        x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
+        launch, split = make_wo(x, ws, n, cfg, sms=132)
+        y = launch(wq).double()
+        wd = wq.double() * ws.reshape(-1, 1).double()
+        ref = x.double() @ wd.T
+        acc_bound = (k + 2) * 2.0**-24 * (x.double().abs() @ wd.abs().T)
+        bound = u * ref.abs() + (1 + u) * acc_bound
+        worst = float(((y - ref).abs() / bound).max())
+        bad += not worst <= 1.0
+        log.info("%s M=%-3d N=%-3d K=%-3d BN=%-3d BK=%-3d split=%d: rel err %.1e, worst "
+                 "|err|/bound %.2f %s", cfg.kind, m, n, k, cfg.block_n, cfg.block_k, split,
+                 rel_err(y, ref), worst, "ok" if worst <= 1.0 else "WRONG")  # fmt: skip
+    return bad
+
+
+def bench(fn) -> float:
+    """Median microseconds per call replayed from a CUDA graph."""
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+
+
+def rotating(fn, weights: list[torch.Tensor]):
+    """A callable running ``fn`` on the next weight copy (captured into the graph as such)."""
+    it = itertools.cycle(weights)
+    return lambda: fn(next(it))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    add_common_args(ap, budget_s=150.0)
+    args = ap.parse_args()
+    if (code := check_or_gpu(args, check)) is not None:
+        return code
+    deadline = time.monotonic() + args.budget_s
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    copy_bw = 2 * src.numel() / copy_ms / 1e9  # TB/s, read + write
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = {}
+    for name, n, k in LLAMA3_8B_LINEARS:
+        wq, ws = quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * k**-0.5)
+                                 .to(torch.bfloat16))  # fmt: skip
+        wd = (wq.float() * ws.reshape(-1, 1)).to(torch.bfloat16)  # what bf16 F.linear reads
+        copies = [int(-(-ROTATE_BYTES // (n * k * s))) for s in (2, 1)]
+        layers[name] = (n, k, ws, [wd] + [wd.clone() for _ in range(copies[0] - 1)],
+                        [wq] + [wq.clone() for _ in range(copies[1] - 1)])  # fmt: skip
+    rows: list[dict] = []
+    for m in args.m:
+        for name, (n, k, ws, wds, wqs) in layers.items():
+            x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+            ref = F.linear(x, wds[0])
+            act_bytes = 2 * m * k + 2 * m * n
+            variants = [("bf16", None, lambda w, x=x: F.linear(x, w), wds, 2 * n * k),
+                        ("fp8_linear", None, lambda w, x=x, ws=ws: fp8_linear(x, w, ws), wqs,
+                         n * k + 4 * n)]  # fmt: skip
+            for cfg in CONFIGS:
+                if cfg.kind == "fma" and m > 4:
+                    continue
+                launch, split = make_wo(x, ws, n, cfg, sms)
+                info = {"kind": cfg.kind, "block_m": block_m_for(m, cfg.kind),
+                        "block_n": cfg.block_n, "block_k": cfg.block_k, "split_k": split,
+                        "num_warps": cfg.warps, "num_stages": cfg.stages}  # fmt: skip
+                variants.append(("wo_fp8", info, launch, wqs, n * k + 4 * n))
+            for variant, info, fn, weights, w_bytes in variants:
+                if time.monotonic() > deadline:
+                    break
+                row = {"op": name, "n": n, "k": k, "m": m, "variant": variant, **(info or {})}
+                try:
+                    err = rel_err(fn(weights[0]), ref)
+                    us = bench(rotating(fn, weights))
+                except Exception as exc:  # a tile shape that does not compile or fit
+                    rows.append({**row, "error": repr(exc)[:300]})
+                    log.info("%s M=%d %s %s: error %s", name, m, variant, info, repr(exc)[:200])
+                    continue
+                nbytes = w_bytes + act_bytes
+                row.update(us=us, bw_frac=nbytes / us / 1e6 / copy_bw, rel_err_vs_bf16=err)
+                rows.append(row)
+                log.info("%-8s M=%-4d %-10s %-52s %8.1f us %5.1f%% of copy  err %.1e", name, m,
+                         variant, "" if info is None else str(tuple(info.values())), us,
+                         100 * row["bw_frac"], err)
+    best: dict[tuple, dict] = {}  # (m, op, variant) -> fastest row
+    for r in rows:
+        key = (r["m"], r["op"], r["variant"])
+        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    for r in rows:
+        if "us" in r and (r["m"], r["op"], "bf16") in best:
+            r["vs_bf16"] = best[(r["m"], r["op"], "bf16")]["us"] / r["us"]
+    layer = []
+    for m in args.m:
+        total = {"m": m}
+        for variant in ("bf16", "fp8_linear", "wo_fp8"):
+            ops = [best.get((m, name, variant)) for name in layers]
+            if all(ops):
+                total[f"{variant}_us"] = sum(r["us"] for r in ops)
+        if "bf16_us" in total:
+            for variant in ("fp8_linear", "wo_fp8"):
+                if f"{variant}_us" in total:
+                    total[f"{variant}_vs_bf16"] = total["bf16_us"] / total[f"{variant}_us"]
+        layer.append(total)
+        log.info("layer M=%-4d %s", m, {key: round(v, 3) for key, v in total.items()})
+    write_result(args, "fp8_weight_only_gemm", "fp8_weight_only_gemm.py", copy_bw_TBps=copy_bw,
+                 sms=sms, rows=rows, layer=layer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
