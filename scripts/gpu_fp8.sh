@@ -19,7 +19,7 @@
 #     --kv-cache-dtype fp8 --quantization fp8 on the same requests (BASELINES_FP8=1: with the
 #     baselines too)      -> throughput_llama3_8b_sharegpt_real.json, ..._real_fp8.json
 #     (`..._sharegpt_like*.json` without the file)
-#   bash scripts/gpu_fp8.sh diagnose           # ~5 min
+#   bash scripts/gpu_fp8.sh diagnose           # ~8 min
 #     scripts/prefill_variants.py --gap (the prefill kernel's remaining gap to a minimal TMA
 #     kernel) and scripts/decode_fp8_variants.py (why decode on an fp8 cache stays at ~46% of
 #     the copy bandwidth)                        -> prefill_gap.json, decode_fp8_variants.json
@@ -147,10 +147,10 @@ for part in "${parts[@]}"; do
       # the minimal TMA kernel (--gap), and decode on fp8 caches (decode_fp8_variants.py).
       if [[ "$SMOKE" == 1 ]]; then echo "=== diagnose: needs a GPU (skipped in a smoke run)"; continue; fi
       echo "=== diagnose: prefill gap, fp8 decode variants"
-      timeout 200 "$PYTHON" scripts/prefill_variants.py --gap --budget-s 150 --commit "${PAGEDKV_COMMIT:-}" \
+      timeout 130 "$PYTHON" scripts/prefill_variants.py --gap --budget-s 90 --commit "${PAGEDKV_COMMIT:-}" \
         --output-json "$OUT/prefill_gap.json" > "$OUT/prefill_gap.log" 2>&1
       grep "N=" "$OUT/prefill_gap.log"
-      timeout 200 "$PYTHON" scripts/decode_fp8_variants.py --budget-s 150 --commit "${PAGEDKV_COMMIT:-}" \
+      timeout 400 "$PYTHON" scripts/decode_fp8_variants.py --budget-s 300 --commit "${PAGEDKV_COMMIT:-}" \
         --output-json "$OUT/decode_fp8_variants.json" > "$OUT/decode_fp8_variants.log" 2>&1
       grep -E "of copy|error" "$OUT/decode_fp8_variants.log"
       ;;
