@@ -459,8 +459,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--only", default="", metavar="MODE,...",
+                    help="time only these variants (e.g. cvt,fma,fma_bf16; default: all)")
     add_common_args(ap, budget_s=240.0)
     args = ap.parse_args()
+    wanted = {m.strip() for m in args.only.split(",") if m.strip()}
+    if unknown := wanted - set(MODES) - {"shipped"}:
+        ap.error(f"--only: unknown variants {sorted(unknown)}; choose from {sorted(MODES)}")
     if (code := check_or_gpu(args, check)) is not None:
         return code
     deadline = time.monotonic() + args.budget_s
@@ -473,6 +478,8 @@ def main() -> int:
     run(p, "bf16", 128, 4, 2, ref)()
     rows = []
     cases = [(c, None) for c in CONFIGS] + [(("shipped", 0, 0, 0), None)]
+    if wanted:
+        cases = [c for c in cases if c[0][0] in wanted]
     for (mode, tile_n, warps, stages), _ in cases:
         if time.monotonic() > deadline:
             break
