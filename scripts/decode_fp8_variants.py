@@ -60,7 +60,7 @@ import time
 import torch
 import triton
 import triton.language as tl
-from variant_cli import add_common_args, check_or_gpu, write_result
+from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, write_result
 
 log = logging.getLogger("decode_fp8_variants")
 
@@ -469,10 +469,7 @@ def main() -> int:
     if (code := check_or_gpu(args, check)) is not None:
         return code
     deadline = time.monotonic() + args.budget_s
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    copy_bw = 2 * src.numel() / copy_ms / 1e9  # TB/s, read + write
+    copy_bw = copy_bandwidth_tbps()
     p = Problem(args.batch, args.context, "cuda")
     ref = torch.empty_like(p.q)
     run(p, "bf16", 128, 4, 2, ref)()

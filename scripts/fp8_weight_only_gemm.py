@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from variant_cli import add_common_args, check_or_gpu, write_result
+from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, write_result
 
 from pagedkv.engine.models.quantization import fp8_linear, quantize_weight
 
@@ -239,10 +239,7 @@ def main() -> int:
     if (code := check_or_gpu(args, check)) is not None:
         return code
     deadline = time.monotonic() + args.budget_s
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    copy_bw = 2 * src.numel() / copy_ms / 1e9  # TB/s, read + write
+    copy_bw = copy_bandwidth_tbps()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = {}

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.testing
 
 log = logging.getLogger("variants")
 
@@ -34,6 +35,15 @@ def check_or_gpu(args: argparse.Namespace, check: Callable[[], int]) -> int | No
         log.error("timing needs a GPU (use --check on the CPU)")
         return 2
     return None
+
+
+def copy_bandwidth_tbps() -> float:
+    """The GPU's device-to-device copy bandwidth in TB/s (bytes read plus written, a 256 MiB
+    buffer): what the scripts' bandwidth fractions are fractions of."""
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / ms / 1e9
 
 
 def write_result(args: argparse.Namespace, benchmark: str, script: str,

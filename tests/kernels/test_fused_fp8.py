@@ -31,7 +31,7 @@ import torch
 import pagedattn_kernels as pk
 from pagedattn_kernels import reference
 
-from .test_fused_ops import _rejected
+from .test_fused_ops import _assert_graph_replays_like_eager, _rejected
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 DTYPES = [F32, F16, BF16]
@@ -420,18 +420,4 @@ def test_fp8_ops_replay_in_a_cuda_graph(seed):
         q3, s3 = pk.silu_and_mul_fp8(b["gu"])
         return _codes(q1), s1, _codes(q2), s2, r2, _codes(q3), s3
 
-    static = fresh()
-    step({k: v.clone() for k, v in static.items()})  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(static)
-    for _ in range(2):
-        new = fresh()
-        want = step({k: v.clone() for k, v in new.items()})
-        for k, v in new.items():
-            static[k].copy_(v)
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (got, exp) in enumerate(zip(outs, want)):
-            assert torch.equal(got, exp), f"output {i} differs after replay, seed={seed}"
+    _assert_graph_replays_like_eager(fresh, step, seed)

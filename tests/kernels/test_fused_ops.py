@@ -403,6 +403,26 @@ def test_env_var_routes_cpu_tensors_to_the_interpreter(monkeypatch):
 # --------------------------------------------------------------------------- CUDA graphs
 
 
+def _assert_graph_replays_like_eager(fresh, step, seed: int) -> None:
+    """Capture ``step`` on the static buffers ``fresh()`` gives, then twice copy new inputs in
+    and replay: every output equals an eager ``step`` on a copy of those inputs."""
+    static = fresh()
+    step({k: v.clone() for k, v in static.items()})  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static)
+    for _ in range(2):
+        new = fresh()
+        want = step({k: v.clone() for k, v in new.items()})
+        for k, v in new.items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (got, exp) in enumerate(zip(outs, want)):
+            assert torch.equal(got, exp), f"output {i} differs after replay, seed={seed}"
+
+
 @pytest.mark.gpu
 def test_all_fused_ops_replay_in_a_cuda_graph(seed):
     """Captured once, replayed on new inputs copied into the static buffers: the same results
@@ -438,18 +458,4 @@ def test_all_fused_ops_replay_in_a_cuda_graph(seed):
         )
         return n1, n2, r2, pk.silu_and_mul(b["gu"]), b["qkv"]
 
-    static = fresh()
-    step({k: v.clone() for k, v in static.items()})  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(static)
-    for _ in range(2):
-        new = fresh()
-        want = step({k: v.clone() for k, v in new.items()})
-        for k, v in new.items():
-            static[k].copy_(v)
-        graph.replay()
-        torch.cuda.synchronize()
-        for got, exp in zip(outs, want):
-            assert torch.equal(got, exp), f"seed={seed}"
+    _assert_graph_replays_like_eager(fresh, step, seed)
