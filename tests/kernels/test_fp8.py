@@ -149,6 +149,60 @@ def test_decode_reads_fp8(target, seed, case):
     assert rel_error(plain, ref) < TOLERANCE[dtype], f"seed={seed}"
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("magnitude,orthogonal", [(1.0, False), (3e4, True), (1e6, True),
+                                                   (1e30, False)])  # fmt: skip
+def test_fp8_products_in_float16(target, seed, kernel, magnitude, orthogonal):
+    """On an fp8 cache the attention kernels multiply bfloat16 queries in float16
+    (``f16_products``, the default of both configs) or in bfloat16: both match the float64
+    reference, and so do queries beyond float16's range (65,504), which the kernels divide by
+    a power of two first (in float16 without it, 1e6 is inf and the output NaN).
+
+    One component of every query row is large (``magnitude`` times 0.5-1). ``orthogonal``:
+    the keys are zero there, so the scores come from the other components (about 1) alone,
+    which the scaling must keep: at 1e6 the kernel divides by 2^5. At 1e30 (a division by
+    2^86) the large component decides the softmax, which stays finite and right; with
+    orthogonal keys it would not (``_query_as_float16`` bounds that error)."""
+    if target.backend != "triton":
+        pytest.skip("a Triton kernel option")
+    from pagedattn_kernels.attention import triton_launch as tl_
+
+    block_size = 16
+    lens = [1, 37, 3 * block_size + 5] + ([4099] if target.full else [])
+    q_lens = [1] * len(lens) if kernel == "decode" else [1, 20, 3 * block_size + 5][: len(lens)]
+    q_lens += [300] * (len(lens) - len(q_lens))
+    batch, ks, vs = _fp8_batch(target, seed, (128, BF16, block_size, 4), lens, q_lens)
+    q = batch.query.float()
+    q[..., 0] = magnitude * (0.5 + 0.5 * torch.rand(q.shape[:2], device=q.device))
+    batch.query = q.to(BF16)
+    if orthogonal:
+        batch.key_cache[..., 0] = 0.0
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    scales = {"k_scale": ks, "v_scale": vs}
+    if kernel == "decode":
+        ref = reference.paged_decode_attention(*args, **scales)
+    else:
+        ref = reference.paged_attention(*args, batch.cu_query_lens, **scales)
+    for f16 in (True, False):
+        if kernel == "decode":
+            cfg = tl_.DecodeConfig(64 if not target.full else 128, 4, 1 if not target.full else 3,
+                                   f16_products=f16)  # fmt: skip
+            runs = [tl_.paged_decode_attention(*args, 128**-0.5, max(lens),
+                                               poisoned_like(batch.query), num_splits=splits,
+                                               config=cfg, **scales)
+                    for splits in (1, 3)]  # fmt: skip
+        else:
+            base = tl_.prefill_config(128, BF16, 4, interpreted=not target.full)
+            cfg = tl_.PrefillConfig(base.block_m, base.tile_n, base.num_warps, base.num_stages,
+                                    f16_products=f16)  # fmt: skip
+            runs = [tl_.paged_attention(*args, batch.cu_query_lens, 128**-0.5,
+                                        poisoned_like(batch.query), config=cfg, **scales)]
+        for out in runs:
+            assert torch.isfinite(out).all(), f"f16={f16} (seed={seed})"
+            err = rel_error(out, ref)
+            assert err < TOLERANCE[BF16], f"f16={f16}: rel error {err:.2e} (seed={seed})"
+
+
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-g{c[3]}")
 def test_mixed_batch_reads_fp8(target, seed, case):
     """Fresh prefills, a chunk continuing a cached prefix, decodes and an empty chunk."""

@@ -8,6 +8,12 @@ shows whether a tile configuration spills. Usage (from the repo root):
 
 Run it with another Triton on PYTHONPATH to check that version too. It swaps Triton's active
 driver for a stub that names an sm_90 target, so it must run in its own process.
+
+``--sass`` also counts the instructions of each variant's SASS that tell how it moves and
+converts data (shared-memory loads byte by byte or by ldmatrix, conversions, tensor-core
+instructions): the offline evidence behind the fp8 decode kernel's choices, e.g.
+
+    .venv/bin/python packages/pagedattn-kernels/tools/compile_sm90.py --fp8 --sass
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ from pagedattn_kernels.cache import triton_kernels as cache_kernels
 from pagedattn_kernels.cache import triton_launch as cache
 from pagedattn_kernels.fused import triton_kernels as fused_kernels
 from pagedattn_kernels.fused import triton_launch as fused
+
+# SASS opcodes (with their width suffix where it matters) that --sass counts.
+SASS_OPS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDS", "LDS.U8", "LDS.U16", "LDS.64", "LDS.128",
+            "LDGSTS", "LDG", "STS", "F2FP", "F2F", "PRMT", "BAR", "SHFL", "MUFU", "STL", "LDL")  # fmt: skip
 
 
 class _StubDriver:
@@ -69,18 +79,39 @@ class _Warmup:
         return launch
 
 
+def sass_counts(sass: str) -> dict[str, int]:
+    """How often each of ``SASS_OPS`` occurs in a cuobjdump -sass listing (static counts:
+    an instruction inside the key loop counts once)."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)", sass):
+        op, suffix = m[1], m[2]
+        counts[op] = counts.get(op, 0) + 1
+        if op == "LDS":
+            width = next((w for w in (".U8", ".U16", ".64", ".128") if w in suffix), None)
+            if width:
+                counts[op + width] = counts.get(op + width, 0) + 1
+    return {k: counts[k] for k in SASS_OPS if counts.get(k)}
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+WANT_SASS = False
+
+
 def _resources(ck) -> dict:
     cubin = ck.asm.get("cubin")
     info = {"shared": ck.metadata.shared}
     if cubin is None:
         return info
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
-        ).stdout
+    if WANT_SASS:
+        info["sass"] = sass_counts(_cuobjdump(cubin, "-sass"))
+    out = _cuobjdump(cubin, "--dump-resource-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m:
         info.update(regs=int(m[1]), stack=int(m[2]), local=int(m[4]))
@@ -123,7 +154,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                     help="only this dtype")  # fmt: skip
     ap.add_argument("--head-dim", type=int, default=None, help="only this head dim")
+    ap.add_argument("--fp8", action="store_true",
+                    help="only the attention kernels on fp8 caches (Llama-3-8B heads)")
+    ap.add_argument("--sass", action="store_true", help="count SASS instructions (SASS_OPS)")
     args = ap.parse_args()
+    global WANT_SASS
+    WANT_SASS = args.sass
     triton.runtime.driver.set_active(_StubDriver())
     # Each op folder's launchers find their kernels through `kernels_for`: hand them proxies
     # that compile and never launch.
@@ -137,6 +173,10 @@ def main() -> None:
                                          "rotary_kernel"))  # fmt: skip
     fused.kernels_for = lambda device, module: fused_proxy
 
+    if args.fp8:
+        _fp8_variants()
+        _report()
+        return
     dims = [64, 80, 96, 128, 256]
     dtypes = [torch.bfloat16, torch.float16, torch.float32]
     variants = [] if args.dtype or args.head_dim else [(128, torch.bfloat16, 16, 4)]
@@ -172,11 +212,40 @@ def main() -> None:
                       torch.zeros(3, 2, dtype=torch.int64))  # fmt: skip
     if args.head_dim is None:
         _fused_variants(args.quick)
+    _report()
+
+
+def _fp8_variants() -> None:
+    """Decode (the configuration the launcher picks, with float16 and with bfloat16 products)
+    and prefill on fp8 caches: 8 KV heads of 128, 4 query heads each."""
+    hkv, group, head_dim = 8, 4, 128
+    kc = torch.empty(64, 16, hkv, head_dim, dtype=torch.float8_e4m3fn)
+    bt = torch.zeros(2, 32, dtype=torch.int32)
+    lens = torch.tensor([100, 5], dtype=torch.int32)
+    unit = torch.ones(1)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.empty(2, hkv * group, head_dim, dtype=dtype)
+        base = attention.decode_config(head_dim, dtype, kv_dtype=kc.dtype)
+        products = (True, False) if dtype == torch.bfloat16 else (True,)
+        for f16 in products:
+            cfg = attention.DecodeConfig(base.tile_n, base.num_warps, base.num_stages,
+                                         base.per_sm, base.early_v, f16)  # fmt: skip
+            attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
+                                             num_splits=1, config=cfg, k_scale=unit,
+                                             v_scale=unit)  # fmt: skip
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+        attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),
+                                  k_scale=unit, v_scale=unit)  # fmt: skip
+
+
+def _report() -> None:
     print(f"triton {triton.__version__}: compiled {len(RESULTS)} variants for sm_90")
     for name, consts, info in RESULTS:
         keep = ("regs", "stack", "shared", "wgmma", "div_full", "compile_s")
         short = {k: info[k] for k in keep if k in info}
         print(f"{name:26s} {short} {consts}")
+        if "sass" in info:
+            print(f"{'':26s} SASS {info['sass']}")
     # rotary_kernel's 32-byte stack is libdevice's cosf/sinf argument reduction for huge
     # angles (a small local array, as in torch's own cos/sin), not a register spill.
     bad = [
@@ -186,7 +255,8 @@ def main() -> None:
     ]  # fmt: skip
     if bad:
         print(f"{len(bad)} variants spill to local memory", file=sys.stderr)
-    approx = [r for r in RESULTS if r[0] in vars(fused_proxy) and r[2].get("div_full")]
+    fused_names = ("rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel")
+    approx = [r for r in RESULTS if r[0] in fused_names and r[2].get("div_full")]
     if approx:
         print(f"{len(approx)} fused-op variants use approximate division", file=sys.stderr)
 

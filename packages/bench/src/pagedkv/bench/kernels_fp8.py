@@ -132,7 +132,9 @@ def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
     configs = [to.decode_config(setup.head_dim, setup.dtype, kv_dtype=FP8),
                to.DecodeConfig(128, 4, 2), to.DecodeConfig(256, 4, 2), to.DecodeConfig(256, 8, 3),
                to.DecodeConfig(64, 4, 4), to.DecodeConfig(128, 4, 3, early_v=True),
-               to.DecodeConfig(64, 4, 4, early_v=True)]  # fmt: skip
+               to.DecodeConfig(64, 4, 4, early_v=True),
+               # bfloat16 products (the kernel before float16 ones became the default)
+               to.DecodeConfig(128, 4, 3, f16_products=False)]  # fmt: skip
     rows: list[dict] = []
     scale = _unit(setup.device)
     for batch, context in ((64, 4096), (16, 8192)):
@@ -156,7 +158,8 @@ def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
             row: dict[str, Any] = {"batch": batch, "context": context,
                                    "config": {"tile_n": cfg.tile_n, "num_warps": cfg.num_warps,
                                               "num_stages": cfg.num_stages,
-                                              "early_v": cfg.early_v}}  # fmt: skip
+                                              "early_v": cfg.early_v,
+                                              "f16_products": cfg.f16_products}}  # fmt: skip
             rows.append(row)
             if not time_tile(run, setup.device, row, kv_bytes, copy_bw):
                 continue

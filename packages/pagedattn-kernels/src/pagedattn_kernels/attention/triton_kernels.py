@@ -106,8 +106,10 @@ def _attend_tile(
     IEEE: fp32 inputs; dots in 3xTF32 (fp32-accurate) rather than plain tf32.
     UPCAST: interpreter with bfloat16 inputs (see below).
     KV_FP8: the caches hold fp8 e4m3; each tile is converted to the query's dtype in registers
-    (exact: every e4m3 value is a float16/bfloat16/float32 value). The scales are not applied
-    here: the caller folds k_scale into the score scale and v_scale into the output.
+    (exact: every e4m3 value is a float16/bfloat16/float32 value), and the probabilities go to
+    that dtype for P.V. The scales are not applied here: the caller folds k_scale into the
+    score scale and v_scale into the output. The decode kernel may pass a float16 query in
+    place of a bfloat16 one (``_query_as_float16``), so the tiles become float16.
     EARLY_V: issue the V load together with K's, before the scores, so that it overlaps them
     (prefill: on an H200 a kernel that loads V after the softmax ran at 445 TFLOP/s against
     514 at 4k tokens, ``scripts/prefill_variants.py --gap``); else after the softmax, when
@@ -183,6 +185,35 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _query_as_float16(q, scale_log2):
+    """A bfloat16 query tile in float16, and the score scale that undoes its power-of-two
+    scaling: the decode kernel's products on fp8 caches then run in float16.
+
+    Why: sm_90 converts e4m3 to float16 with one packed instruction per two values, and to
+    bfloat16 only through float16 with one more conversion per value. On an H200 a minimal
+    decode kernel read an fp8 cache at 66-67% of the copy bandwidth with float16 products
+    against 48-54% with bfloat16 ones (``scripts/decode_fp8_variants.py``, ``cvt_f16`` and
+    ``cvt``).
+
+    Exact for every query component in float16's normal range: bfloat16's 8-bit significand
+    fits float16's 11 bits. float16 overflows at 65,504 where bfloat16 reaches 3e38, so a tile
+    whose largest magnitude is 2^15 or more is first divided by the power of two that brings
+    it below 2^15 (exact), and the score scale multiplied by the same power. Components below
+    2^-14 times that power then round to float16 subnormals: each score is off by at most
+    2^-39 times the largest component times the sum of the key's magnitudes. Real queries stay
+    far below 2^15; the scaling keeps a huge one from turning into inf and NaN.
+    """
+    qf = q.to(tl.float32)
+    qmax = tl.reduce(tl.reduce(tl.abs(qf), 1, tl.standard._elementwise_max), 0,
+                     tl.standard._elementwise_max)  # fmt: skip
+    exponent = ((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    shift = tl.maximum(exponent - 14, 0)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return (qf * down).to(tl.float16), scale_log2 * up
+
+
 # per-batch metadata: never specialized on (see the module docstring); the fp8 scales are
 # per-layer tensors whose addresses may or may not be 16-byte aligned
 _BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr", "v_scale_ptr"]
@@ -230,6 +261,7 @@ def decode_kernel(
     KV_FP8: tl.constexpr,
     OFFS64: tl.constexpr,
     EARLY_V: tl.constexpr,
+    F16_PRODUCTS: tl.constexpr,
 ):
     """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
 
@@ -239,6 +271,8 @@ def decode_kernel(
     SPLIT=True: writes the partial output and its log2-sum-exp for ``decode_reduce_kernel``.
     A sequence of length 0 (batch padding) gets zeros.
     KV_FP8: scores are scaled by k_scale too, and the output by v_scale.
+    F16_PRODUCTS (with KV_FP8 and a bfloat16 query): the products run in float16
+    (``_query_as_float16``).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -270,6 +304,8 @@ def decode_kernel(
     row_pos = tl.full([BLOCK_G], 0, tl.int32)  # unused: decode is not causal within a tile
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        if F16_PRODUCTS and q.dtype == tl.bfloat16:
+            q, scale_log2 = _query_as_float16(q, scale_log2)
 
     # Whole tiles first (no masks), then at most one ragged tile.
     full_end = start + ((end - start) // TILE_N) * TILE_N
@@ -411,6 +447,7 @@ def prefill_kernel(
     KV_FP8: tl.constexpr,
     OFFS64: tl.constexpr,
     NEW_KV: tl.constexpr,
+    F16_PRODUCTS: tl.constexpr,
 ):
     """Causal attention for a packed, mixed batch of query chunks. Grid: (q blocks, kv heads).
 
@@ -428,6 +465,10 @@ def prefill_kernel(
     through the block table. Both hold the same values (the caller guarantees it); contiguous
     rows load faster than a gather: on an H200 at 4k tokens, 0.67x cuDNN against 1.0x
     (``scripts/prefill_variants.py``).
+    F16_PRODUCTS (with KV_FP8, NEW_KV 0 and a bfloat16 query): the products run in float16
+    (``_query_as_float16``). On an fp8 cache with bfloat16 products the sm_90 compile spills
+    (255 registers, 64 bytes of stack: ``tools/compile_sm90.py --fp8``); with float16 ones it
+    does not (244).
     """
     # The last query blocks have the most keys to read: start them first (shorter tail).
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -477,6 +518,9 @@ def prefill_kernel(
         v_head_off = v_head_off.to(tl.int64)
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        # (NEW_KV tiles are 16-bit rows of this step: they would need a 16-bit query as is)
+        if F16_PRODUCTS and NEW_KV == 0 and q.dtype == tl.bfloat16:
+            q, scale_log2 = _query_as_float16(q, scale_log2)
 
     kv_end = context + last_tok + 1
     # Keys 0..context+first_tok are visible to every row: whole tiles there need no mask.

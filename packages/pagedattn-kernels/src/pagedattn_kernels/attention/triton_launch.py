@@ -41,24 +41,29 @@ class DecodeConfig:
     its programs fit on one SM at once (registers and shared memory), used to size the
     flash-decoding split so that the programs make about one full wave. ``early_v``: load
     each V tile with its K tile rather than after the softmax (``_attend_tile``'s EARLY_V;
-    the prefill kernel always does)."""
+    the prefill kernel always does). ``f16_products``: on an fp8 cache with bfloat16
+    queries, multiply in float16 rather than bfloat16 (``_query_as_float16`` says why and
+    what it costs); off, the tiles are converted to bfloat16 as for the other caches."""
 
     tile_n: int
     num_warps: int
     num_stages: int
     per_sm: int = 2
     early_v: bool = False
+    f16_products: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
     """Tile shape of the prefill kernel: BLOCK_M query rows (tokens x grouped heads) per
-    program, TILE_N keys per loop step."""
+    program, TILE_N keys per loop step. ``f16_products``: as ``DecodeConfig``'s, where every
+    key comes from an fp8 cache."""
 
     block_m: int
     tile_n: int
     num_warps: int
     num_stages: int
+    f16_products: bool = True
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -216,7 +221,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
         SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
         OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F16_PRODUCTS=cfg.f16_products, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
@@ -282,7 +287,7 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernel, query.dtype),
         KV_FP8=key_cache.dtype == FP8_DTYPE, OFFS64=offs64, NEW_KV=new_kv,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F16_PRODUCTS=cfg.f16_products, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
