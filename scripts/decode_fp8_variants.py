@@ -17,6 +17,10 @@ one step:
   fp8_mma     no conversion: the query (per row) and the probabilities quantized to e4m3 and
               multiplied on fp8 tensor cores, as FlashAttention-3 does for fp8 caches (costs
               accuracy: ``rel_err`` against the bf16 kernel)
+  packed_asm  the tiles loaded as int32 words, four e4m3 each, widened to float16 in registers
+              by the hardware's packed conversion (inline ``cvt.rn.f16x2.e4m3x2``), the
+              query in float16: no byte-wise shared-memory reads (below)
+  packed_bits the same words widened with integer shifts (runs in the interpreter)
   fma         no ``tl.dot``: e4m3 tiles converted to float32 and multiplied on CUDA cores
               (broadcast products and sums, per query head), float32 softmax and accumulator
   fma_ev      fma with the V tile loaded together with K, before the scores ("early V")
@@ -46,6 +50,14 @@ Triton's mma.sync path, not wgmma, and Triton widens fp8 operands there): they a
 to float16 for an f16 HMMA, i.e. ``cvt_f16`` plus the quantization. ``cvt_f16`` vs ``cvt``
 isolates the F2F; the ``fma`` rows drop the staging, the byte loads and the F2F at once.
 
+The byte loads are V's. Q.K^T takes K's rows as they lie (head dim contiguous: LDS.64 of 8
+bytes), but P.V needs pairs of consecutive keys in each register, and sm_90 has no transposing
+ldmatrix for bytes, so an e4m3 V tile is read one byte per LDS.U8. ``cvt_f16`` measured 67%
+with 196 registers (8 warps per SM) and 810 instructions per warp and tile (Triton 3.6 offline
+compile). Loaded as words and widened first (``packed_asm``), V is stored to shared memory
+as float16 and read by ldmatrix.trans as a 16-bit cache is: no LDS.U8, 127 registers (12
+warps per SM), 677 instructions (494 with Triton 3.9). Not yet timed on a GPU.
+
     python scripts/decode_fp8_variants.py --output-json OUT.json       # on a GPU
     TRITON_INTERPRET=1 python scripts/decode_fp8_variants.py --check   # CPU: outputs only
 """
@@ -64,8 +76,10 @@ from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, writ
 
 log = logging.getLogger("decode_fp8_variants")
 
-BF16, CVT, BITS_F16, FP8_MMA, CVT_F16, FMA = range(6)
-MODES = {"bf16": BF16, "cvt": CVT, "bits_f16": BITS_F16, "fp8_mma": FP8_MMA, "cvt_f16": CVT_F16}
+BF16, CVT, BITS_F16, FP8_MMA, CVT_F16, FMA, PACKED_BITS, PACKED_ASM = range(8)
+MODES = {"bf16": BF16, "cvt": CVT, "bits_f16": BITS_F16, "fp8_mma": FP8_MMA, "cvt_f16": CVT_F16,
+         "packed_bits": PACKED_BITS, "packed_asm": PACKED_ASM}  # fmt: skip
+PACKED = (PACKED_BITS, PACKED_ASM)
 # CUDA-core variants (``decode_fma_kernel``): name -> (16-bit cache?, AHEAD)
 FMA_MODES = {"fma": (False, 0), "fma_ev": (False, 1), "fma_pf": (False, 2),
              "fma_bf16": (True, 0), "fma_bf16_ev": (True, 1), "fma_bf16_pf": (True, 2)}  # fmt: skip
@@ -91,6 +105,52 @@ def _widen(t, MODE: tl.constexpr):
 
 
 @triton.jit
+def _halves(w):
+    """The two float16 values packed in each int32 of ``w`` (low half, high half)."""
+    return ((w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True),
+            ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True))  # fmt: skip
+
+
+@triton.jit
+def _unpack(w, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
+    """A [TILE_N, HEAD_DIM] float16 tile from the [TILE_N, HEAD_DIM // 4] int32 words that
+    hold its e4m3 bytes (byte j of word i is element 4 i + j, little-endian).
+
+    PACKED_BITS: integer shifts on whole words, two bytes at a time (each fp16 value is the
+    e4m3 value times 2^-8, folded into the scales as in ``bits_f16``). PACKED_ASM: the
+    hardware's packed conversion, two e4m3 per ``cvt.rn.f16x2.e4m3x2`` (sm_89+; no
+    interpreter). Either way the bytes reach registers as words, never one by one."""
+    if MODE == 7:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+                "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+                "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            constraints="=h,=h,=h,=h,r", args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        u = w.to(tl.uint32, bitcast=True)
+        even = ((u & 0x007F007F) << 7) | ((u & 0x00800080) << 8)  # bytes 0 and 2
+        odd = (((u >> 8) & 0x007F007F) << 7) | (((u >> 8) & 0x00800080) << 8)  # bytes 1, 3
+        b0, b2 = _halves(even)
+        b1, b3 = _halves(odd)
+    # join(join(b0, b2), join(b1, b3))[i, k, j] is byte 2 k + j of word i
+    t = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    return tl.reshape(t, [w.shape[0], HEAD_DIM])
+
+
+@triton.jit
+def _tile(cache, words, off, d, d4, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
+    """One K or V tile as the products take it: loaded by element, or (PACKED) by int32
+    word, 4 e4m3 values each (``off`` is in bytes then, a multiple of 4)."""
+    if MODE == 6 or MODE == 7:
+        t = _unpack(tl.load(words + (off // 4)[:, None] + d4[None, :]), HEAD_DIM, MODE)
+    else:
+        t = _widen(tl.load(cache + off[:, None] + d[None, :]), MODE)
+    return t
+
+
+@triton.jit
 def decode_variant_kernel(
     out_ptr, q_ptr, k_cache, v_cache, block_tables, seq_len, scale_log2, v_scale,
     stride_q_seq, stride_q_head, stride_blk, stride_tok, stride_head, stride_bt,
@@ -105,10 +165,13 @@ def decode_variant_kernel(
     kv_head = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
+    d4 = tl.arange(0, HEAD_DIM // 4)
+    k_words = k_cache.to(tl.pointer_type(tl.int32))
+    v_words = v_cache.to(tl.pointer_type(tl.int32))
     heads = kv_head * G + g
     q_off = seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_off, mask=(g < G)[:, None], other=0.0)
-    if MODE == 2 or MODE == 4:
+    if MODE == 2 or MODE == 4 or MODE == 6 or MODE == 7:
         q = q.to(tl.float16)
     if MODE == 3:  # per-row e4m3 scale of the query; scores come back times q_scale
         q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1) / 448.0, 1e-12)
@@ -121,7 +184,7 @@ def decode_variant_kernel(
         pos = start + tl.arange(0, TILE_N)
         blk = tl.load(bt + pos // BLOCK_SIZE)
         off = blk * stride_blk + (pos % BLOCK_SIZE) * stride_tok + kv_head * stride_head
-        k = _widen(tl.load(k_cache + off[:, None] + d[None, :]), MODE)
+        k = _tile(k_cache, k_words, off, d, d4, HEAD_DIM, MODE)
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -132,7 +195,7 @@ def decode_variant_kernel(
         p = tl.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _widen(tl.load(v_cache + off[:, None] + d[None, :]), MODE)
+        v = _tile(v_cache, v_words, off, d, d4, HEAD_DIM, MODE)
         if MODE == 3:
             p = p.to(tl.float8e4nv)  # p in [0, 1]: e4m3 keeps 3 mantissa bits
         else:
@@ -313,7 +376,8 @@ def run(p: Problem, mode: str, tile_n: int, warps: int, stages: int, out: torch.
         return run_fma(p, mode, tile_n, warps, stages, out)
     m = MODES[mode]
     k, v = (p.k16, p.v16) if m == BF16 else (p.k8, p.v8)
-    unit = 256.0 if m == BITS_F16 else 1.0  # bits_f16 tiles hold the value times 2^-8
+    # bits_f16 and packed_bits tiles hold the value times 2^-8
+    unit = 256.0 if m in (BITS_F16, PACKED_BITS) else 1.0
     g = p.heads // p.kv_heads
 
     def call():
@@ -368,9 +432,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 CONFIGS = [  # (mode, tile_n, warps, stages)
     ("bf16", 128, 4, 2), ("bf16", 64, 2, 3),
     ("cvt", 128, 4, 2), ("cvt", 128, 4, 3), ("cvt", 64, 4, 4),
-    ("cvt_f16", 128, 4, 2), ("cvt_f16", 128, 4, 3), ("cvt_f16", 64, 4, 4),
+    ("cvt_f16", 128, 4, 2),  # 196 regs, 8 warps/SM, 810 instr/tile, 0.099 /B: 67% measured
+    ("cvt_f16", 128, 4, 3), ("cvt_f16", 64, 4, 4),
     ("bits_f16", 128, 4, 2), ("bits_f16", 128, 4, 3), ("bits_f16", 64, 4, 4),
     ("fp8_mma", 128, 4, 2), ("fp8_mma", 128, 4, 3), ("fp8_mma", 256, 4, 3),
+    ("cvt_f16", 64, 2, 2), ("cvt_f16", 32, 1, 3),
+    # Word loads. Comments: Triton 3.6 sm_90 offline compiles (registers, warps per SM that
+    # registers and shared memory allow, instructions per warp in the loop, per byte read)
+    ("packed_asm", 128, 4, 2),  # 127 regs, 12 warps/SM, 677 instr/tile, 0.083 /B
+    ("packed_asm", 128, 4, 3),  # 128, 12, 776, 0.095
+    ("packed_asm", 64, 4, 2),  # 96, 20, 465, 0.114
+    ("packed_asm", 64, 4, 3),  # 102, 16, 478, 0.117
+    ("packed_asm", 64, 2, 2),  # 144, 10, 706, 0.086
+    ("packed_asm", 32, 1, 3),  # 168, 11, 733, 0.089
+    ("packed_bits", 128, 4, 2), ("packed_bits", 64, 4, 2),  # 128 / 96 regs, 0.141 / ~0.17 /B
     # CUDA-core variants. num_stages does nothing for them (no tl.dot: Triton pipelines no
     # load; the sm_90 SASS is the same for 1 and 3). Comments: registers per thread from
     # offline sm_90 compiles with Triton 3.6 (G = 4, HEAD_DIM 128; no spills) and the
@@ -415,7 +490,10 @@ def check() -> int:
     p = Problem(2, 64, dev, heads=4, kv_heads=2, head_dim=32)
     want = reference(p)
     bad = 0
-    for mode in ("bf16", "cvt", "cvt_f16", "bits_f16", "fp8_mma"):
+    for mode in ("bf16", "cvt", "cvt_f16", "bits_f16", "fp8_mma", "packed_bits", "packed_asm"):
+        if mode == "packed_asm" and dev == "cpu":
+            log.info("%-11s needs a GPU (inline assembly; packed_bits checks the unpacking)", mode)
+            continue
         out = torch.empty_like(p.q)
         try:
             run(p, mode, 32, 4, 1, out)()

@@ -203,6 +203,67 @@ def test_fp8_products_in_float16(target, seed, kernel, magnitude, orthogonal):
             assert err < TOLERANCE[BF16], f"f16={f16}: rel error {err:.2e} (seed={seed})"
 
 
+@pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3), (64, BF16, 32, 1)],
+                         ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-g{c[3]}")  # fmt: skip
+def test_decode_fp8_packed_loads(target, seed, case):
+    """``DecodeConfig.packed_loads``: K and V tiles read as int32 words of four e4m3 values
+    and widened in registers. The same float16 values reach the same products, so in the
+    interpreter the output equals the element-wise loads' bit for bit; on a GPU the hardware
+    conversion runs and the outputs agree to the tolerance (the compiler may order the sums
+    differently). Ragged tiles, a padded head dim (80) and the split path included."""
+    if target.backend != "triton":
+        pytest.skip("a Triton kernel option")
+    from pagedattn_kernels.attention import triton_launch as tl_
+
+    head_dim, dtype, block_size, group = case
+    lens = [1, 37, 2 * block_size + 5, 0] + ([4099, 700] if target.full else [130])
+    batch, ks, vs = _fp8_batch(target, seed, case, lens, [1] * len(lens))
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    ref = reference.paged_decode_attention(*args, k_scale=ks, v_scale=vs)
+    tile, stages = (64, 1) if not target.full else (128, 3)
+    for splits in (1, 3):
+        outs = [
+            tl_.paged_decode_attention(
+                *args, head_dim**-0.5, max(lens), poisoned_like(batch.query), num_splits=splits,
+                config=tl_.DecodeConfig(tile, 4, stages, packed_loads=packed), k_scale=ks,
+                v_scale=vs,
+            )
+            for packed in (False, True)
+        ]  # fmt: skip
+        err = rel_error(outs[1], ref)
+        assert err < TOLERANCE[dtype], f"splits={splits}: rel error {err:.2e} (seed={seed})"
+        if not target.full:
+            assert torch.equal(outs[0], outs[1]), f"splits={splits} (seed={seed})"
+
+
+def test_packed_loads_need_word_aligned_rows(target, seed):
+    """Caches whose rows cannot be read as 4-byte words (here views one byte into their
+    storage) take element-wise loads even with ``packed_loads``: the same output as aligned
+    caches. On a GPU word loads there would fault (misaligned address); the interpreter
+    reads unaligned words, so on the CPU this checks ``_word_aligned`` and the fallback's
+    output."""
+    if target.backend != "triton":
+        pytest.skip("a Triton kernel option")
+    from pagedattn_kernels.attention import triton_launch as tl_
+
+    batch, ks, vs = _fp8_batch(target, seed, (64, BF16, 16, 2), [5, 40], [1, 1])
+
+    def shifted(cache: torch.Tensor) -> torch.Tensor:
+        store = torch.empty(cache.numel() + 1, dtype=FP8, device=cache.device)
+        store[1:].copy_(cache.flatten())
+        return store[1:].view(cache.shape)
+
+    kc, vc = shifted(batch.key_cache), shifted(batch.value_cache)
+    assert not tl_._word_aligned(kc) and tl_._word_aligned(batch.key_cache)
+    assert not tl_._word_aligned(torch.zeros(4, 16, 2, 66, dtype=FP8)[..., :62])
+    cfg = tl_.DecodeConfig(64, 4, 1, packed_loads=True)
+    outs = [tl_.paged_decode_attention(batch.query, k, v, batch.block_tables, batch.seq_lens,
+                                       0.125, 40, poisoned_like(batch.query), num_splits=1,
+                                       config=cfg, k_scale=ks, v_scale=vs)
+            for k, v in ((batch.key_cache, batch.value_cache), (kc, vc))]  # fmt: skip
+    assert torch.equal(outs[0], outs[1]), f"seed={seed}"
+
+
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-g{c[3]}")
 def test_mixed_batch_reads_fp8(target, seed, case):
     """Fresh prefills, a chunk continuing a cached prefix, decodes and an empty chunk."""

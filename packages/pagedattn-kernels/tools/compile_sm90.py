@@ -81,16 +81,27 @@ class _Warmup:
 
 def sass_counts(sass: str) -> dict[str, int]:
     """How often each of ``SASS_OPS`` occurs in a cuobjdump -sass listing (static counts:
-    an instruction inside the key loop counts once)."""
+    an instruction inside the key loop counts once), and ``loop``: the instructions of the
+    longest loop (from a backward branch's target to the branch), the work per tile."""
     counts: dict[str, int] = {}
-    for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)", sass):
-        op, suffix = m[1], m[2]
+    addrs, loops = [], []
+    pattern = r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)([^;]*)"
+    for m in re.finditer(pattern, sass):
+        addr, op, suffix = int(m[1], 16), m[2], m[3]
+        addrs.append(addr)
+        target = re.search(r"0x([0-9a-f]+)", m[4]) if op == "BRA" else None
+        if target and int(target[1], 16) < addr:
+            loops.append((int(target[1], 16), addr))
         counts[op] = counts.get(op, 0) + 1
         if op == "LDS":
             width = next((w for w in (".U8", ".U16", ".64", ".128") if w in suffix), None)
             if width:
                 counts[op + width] = counts.get(op + width, 0) + 1
-    return {k: counts[k] for k in SASS_OPS if counts.get(k)}
+    out = {k: counts[k] for k in SASS_OPS if counts.get(k)}
+    if loops:
+        lo, hi = max(loops, key=lambda span: span[1] - span[0])
+        out["loop"] = sum(lo <= a <= hi for a in addrs)
+    return out
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -226,10 +237,15 @@ def _fp8_variants() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.empty(2, hkv * group, head_dim, dtype=dtype)
         base = attention.decode_config(head_dim, dtype, kv_dtype=kc.dtype)
-        products = (True, False) if dtype == torch.bfloat16 else (True,)
-        for f16 in products:
-            cfg = attention.DecodeConfig(base.tile_n, base.num_warps, base.num_stages,
-                                         base.per_sm, base.early_v, f16)  # fmt: skip
+        # (f16_products, packed_loads, tile shape or None for the launcher's)
+        options = [(True, False, None), (True, True, None), (True, True, (64, 4, 2)),
+                   (True, True, (64, 2, 2))]  # fmt: skip
+        if dtype == torch.bfloat16:
+            options.append((False, False, None))
+        for f16, packed, shape in options:
+            tile_n, warps, stages = shape or (base.tile_n, base.num_warps, base.num_stages)
+            cfg = attention.DecodeConfig(tile_n, warps, stages, base.per_sm, base.early_v, f16,
+                                         packed)  # fmt: skip
             attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
                                              num_splits=1, config=cfg, k_scale=unit,
                                              v_scale=unit)  # fmt: skip

@@ -134,7 +134,13 @@ def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
                to.DecodeConfig(64, 4, 4), to.DecodeConfig(128, 4, 3, early_v=True),
                to.DecodeConfig(64, 4, 4, early_v=True),
                # bfloat16 products (the kernel before float16 ones became the default)
-               to.DecodeConfig(128, 4, 3, f16_products=False)]  # fmt: skip
+               to.DecodeConfig(128, 4, 3, f16_products=False),
+               # tiles loaded as int32 words (no byte-wise shared-memory reads)
+               to.DecodeConfig(128, 4, 3, packed_loads=True),
+               to.DecodeConfig(128, 4, 2, packed_loads=True),
+               to.DecodeConfig(64, 4, 2, per_sm=3, packed_loads=True),
+               to.DecodeConfig(64, 4, 3, packed_loads=True),
+               to.DecodeConfig(64, 2, 2, packed_loads=True)]  # fmt: skip
     rows: list[dict] = []
     scale = _unit(setup.device)
     for batch, context in ((64, 4096), (16, 8192)):
@@ -159,7 +165,8 @@ def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
                                    "config": {"tile_n": cfg.tile_n, "num_warps": cfg.num_warps,
                                               "num_stages": cfg.num_stages,
                                               "early_v": cfg.early_v,
-                                              "f16_products": cfg.f16_products}}  # fmt: skip
+                                              "f16_products": cfg.f16_products,
+                                              "packed_loads": cfg.packed_loads}}  # fmt: skip
             rows.append(row)
             if not time_tile(run, setup.device, row, kv_bytes, copy_bw):
                 continue

@@ -58,6 +58,52 @@ def _load_rows(ptrs, in_range, d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.const
 
 
 @triton.jit
+def _e4m3_words_to_f16(w, ASM: tl.constexpr):
+    """float16 values of the e4m3 bytes packed in int32 words ``w`` [rows, n]: [rows, 4 n],
+    byte j of word i (little-endian) becoming column 4 i + j. Exact.
+
+    ASM: sm_89+'s packed conversion, two bytes per ``cvt.rn.f16x2.e4m3x2`` (what ``.to``
+    does for an e4m3 tensor, here on registers loaded as words); else each byte is
+    extracted with shifts, for the interpreter, which runs no inline assembly."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+                "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+                "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            constraints="=h,=h,=h,=h,r", args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    # join(join(b0, b2), join(b1, b3))[r, i, k, j] is byte 2 k + j of word [r, i]
+    t = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    return tl.reshape(t, [w.shape[0], 4 * w.shape[1]])
+
+
+@triton.jit
+def _load_e4m3_words(base, off, in_range, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     MASKED: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """A [TILE_N, HEAD_DIM_PAD] float16 tile of an fp8 cache whose rows start at byte offsets
+    ``off`` (multiples of 4), loaded as int32 words (see ``_attend_tile``'s PACKED)."""
+    w4 = tl.arange(0, HEAD_DIM_PAD // 4)
+    ptrs = base.to(tl.pointer_type(tl.int32)) + (off // 4)[:, None] + w4[None, :]
+    if MASKED:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            mask = in_range[:, None]
+        else:
+            mask = in_range[:, None] & (w4 < HEAD_DIM // 4)[None, :]
+        w = tl.load(ptrs, mask=mask, other=0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=(w4 < HEAD_DIM // 4)[None, :], other=0)
+    return _e4m3_words_to_f16(w, ASM)
+
+
+@triton.jit
 def _attend_tile(
     m_i,
     l_i,
@@ -88,6 +134,7 @@ def _attend_tile(
     SOURCE: tl.constexpr,
     OFFS64: tl.constexpr,
     EARLY_V: tl.constexpr,
+    PACKED: tl.constexpr = 0,
 ):
     """Online-softmax update with one tile of TILE_N keys starting at context position ``start``.
 
@@ -110,6 +157,13 @@ def _attend_tile(
     that dtype for P.V. The scales are not applied here: the caller folds k_scale into the
     score scale and v_scale into the output. The decode kernel may pass a float16 query in
     place of a bfloat16 one (``_query_as_float16``), so the tiles become float16.
+    PACKED (fp8 caches, float16 query, SOURCE 0): load the tiles as int32 words, four e4m3
+    values each, and widen them in registers (``_e4m3_words_to_f16``; 2: with the hardware
+    conversion, 1: with shifts, for the interpreter). Loaded by element, an e4m3 V tile is
+    read back from shared memory one byte per instruction: the P.V product needs pairs of
+    consecutive keys in a register and sm_90 has no transposing ldmatrix for bytes. As float16
+    the tile takes ldmatrix's transposing path as a 16-bit cache does (offline sm_90 compiles,
+    ``tools/compile_sm90.py --fp8 --sass``).
     EARLY_V: issue the V load together with K's, before the scores, so that it overlaps them
     (prefill: on an H200 a kernel that loads V after the softmax ran at 445 TFLOP/s against
     514 at 4k tokens, ``scripts/prefill_variants.py --gap``); else after the softmax, when
@@ -141,11 +195,18 @@ def _attend_tile(
             k_off = blk * stride_k_block + tok_off * stride_k_tok + kv_head_off_k
             v_off = blk * stride_v_block + tok_off * stride_v_tok + kv_head_off_v
         v_ptrs = v_src + v_off[:, None] + d[None, :]
-        k = _load_rows(k_src + k_off[:, None] + d[None, :], in_range, d, HEAD_DIM, HEAD_DIM_PAD,
-                       MASKED)
-        if EARLY_V:
-            v = _load_rows(v_ptrs, in_range, d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    if KV_FP8:
+        if PACKED:
+            k = _load_e4m3_words(k_src, k_off, in_range, HEAD_DIM, HEAD_DIM_PAD, MASKED,
+                                 PACKED == 2)  # fmt: skip
+            if EARLY_V:
+                v = _load_e4m3_words(v_src, v_off, in_range, HEAD_DIM, HEAD_DIM_PAD, MASKED,
+                                     PACKED == 2)  # fmt: skip
+        else:
+            k = _load_rows(k_src + k_off[:, None] + d[None, :], in_range, d, HEAD_DIM,
+                           HEAD_DIM_PAD, MASKED)  # fmt: skip
+            if EARLY_V:
+                v = _load_rows(v_ptrs, in_range, d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+    if KV_FP8 and not PACKED:
         k = k.to(q.dtype)
 
     # UPCAST: the interpreter's dot cannot multiply bfloat16 (numpy has no such type and it
@@ -170,9 +231,12 @@ def _attend_tile(
     if not EARLY_V:
         if SOURCE == 2:
             v = v_src.load([bt_row_ptr + start, kv_head_off_v])
+        elif PACKED:
+            v = _load_e4m3_words(v_src, v_off, in_range, HEAD_DIM, HEAD_DIM_PAD, MASKED,
+                                 PACKED == 2)  # fmt: skip
         else:
             v = _load_rows(v_ptrs, in_range, d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    if KV_FP8:
+    if KV_FP8 and not PACKED:
         v = v.to(q.dtype)
     p = p.to(v.dtype)
     acc = acc * alpha[:, None]
@@ -262,6 +326,7 @@ def decode_kernel(
     OFFS64: tl.constexpr,
     EARLY_V: tl.constexpr,
     F16_PRODUCTS: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
 
@@ -273,6 +338,7 @@ def decode_kernel(
     KV_FP8: scores are scaled by k_scale too, and the output by v_scale.
     F16_PRODUCTS (with KV_FP8 and a bfloat16 query): the products run in float16
     (``_query_as_float16``).
+    PACKED (KV_FP8, the query float16 or made so): ``_attend_tile``'s, else 0.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -306,6 +372,7 @@ def decode_kernel(
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
         if F16_PRODUCTS and q.dtype == tl.bfloat16:
             q, scale_log2 = _query_as_float16(q, scale_log2)
+    packed: tl.constexpr = PACKED if KV_FP8 and q.dtype == tl.float16 else 0
 
     # Whole tiles first (no masks), then at most one ragged tile.
     full_end = start + ((end - start) // TILE_N) * TILE_N
@@ -315,7 +382,7 @@ def decode_kernel(
             tile_start, end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, EARLY_V,
+            0, OFFS64, EARLY_V, packed,
         )  # fmt: skip
     if full_end < end:
         m_i, l_i, acc = _attend_tile(
@@ -323,7 +390,7 @@ def decode_kernel(
             full_end, end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, EARLY_V,
+            0, OFFS64, EARLY_V, packed,
         )  # fmt: skip
 
     store_mask = g_mask[:, None] & d_mask[None, :]

@@ -43,7 +43,10 @@ class DecodeConfig:
     each V tile with its K tile rather than after the softmax (``_attend_tile``'s EARLY_V;
     the prefill kernel always does). ``f16_products``: on an fp8 cache with bfloat16
     queries, multiply in float16 rather than bfloat16 (``_query_as_float16`` says why and
-    what it costs); off, the tiles are converted to bfloat16 as for the other caches."""
+    what it costs); off, the tiles are converted to bfloat16 as for the other caches.
+    ``packed_loads``: on an fp8 cache with 16-bit queries, load K and V tiles as int32 words
+    (``_attend_tile``'s PACKED): no byte-wise shared-memory reads. Off by default until timed
+    on an H200 (``python -m pagedkv.bench.kernels --fp8``, ``sweep_decode_fp8``)."""
 
     tile_n: int
     num_warps: int
@@ -51,6 +54,7 @@ class DecodeConfig:
     per_sm: int = 2
     early_v: bool = False
     f16_products: bool = True
+    packed_loads: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +158,13 @@ def _needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
     return False
 
 
+def _word_aligned(cache: torch.Tensor) -> bool:
+    """Rows of ``cache`` can be read as 4-byte words: base, strides and head dim (fp8: bytes)
+    multiples of 4."""
+    return (cache.data_ptr() % 4 == 0 and cache.shape[-1] % 4 == 0
+            and all(st % 4 == 0 for st in cache.stride()[:-1]))  # fmt: skip
+
+
 def _dot_ieee(dtype: torch.dtype) -> bool:
     # fp32 inputs: fp32-accurate products (3xTF32 on tensor cores; plain tf32 would cost
     # ~1e-3 relative error).
@@ -198,6 +209,9 @@ def paged_decode_attention(
         )
     partition, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
     upcast = _upcast(kernels.decode_kernel, query.dtype)
+    packed = 0
+    if cfg.packed_loads and fp8 and _word_aligned(key_cache) and _word_aligned(value_cache):
+        packed = 1 if is_interpreted(kernels.decode_kernel) else 2
     split = num_splits > 1
     if split:  # one allocation for both partial buffers (host time matters at small sizes)
         rows = num_seqs * num_heads * num_splits
@@ -221,7 +235,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
         SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
         OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
-        F16_PRODUCTS=cfg.f16_products, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F16_PRODUCTS=cfg.f16_products, PACKED=packed,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
