@@ -215,7 +215,7 @@ def test_decode_fp8_packed_loads(target, seed, case):
         pytest.skip("a Triton kernel option")
     from pagedattn_kernels.attention import triton_launch as tl_
 
-    head_dim, dtype, block_size, group = case
+    head_dim, dtype, block_size, _ = case
     lens = [1, 37, 2 * block_size + 5, 0] + ([4099, 700] if target.full else [130])
     batch, ks, vs = _fp8_batch(target, seed, case, lens, [1] * len(lens))
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
@@ -364,6 +364,78 @@ def test_quantize_fp8_per_token_exact(target, seed, dtype):
                                     backend=target.backend)  # fmt: skip
     assert got[0] is out and got[1] is scale_out
     assert _same_values(out, q) and torch.equal(scale_out, s)
+
+
+def _near_ties(scale: torch.Tensor) -> torch.Tensor:
+    """float32 values whose quotients x / scale sit within two float32 ulps of the midpoints
+    between neighbouring e4m3 values, where a quotient off by an ulp picks the wrong code:
+    every midpoint times ``scale``, nudged by -2..2 ulps, both signs."""
+    grid = reference.e4m3_values()
+    pos = grid[grid > 0]
+    near = ((pos[:-1] + pos[1:]) / 2).to(torch.float32) * scale
+    up, down = [near], [near]
+    for _ in range(2):
+        up.append(torch.nextafter(up[-1], torch.tensor(float("inf"))))
+        down.append(torch.nextafter(down[-1], torch.tensor(0.0)))
+    vals = torch.cat(up + down[1:])
+    return torch.cat([vals, -vals])
+
+
+def _random_scale(gen: torch.Generator) -> torch.Tensor:
+    """A float32 scale of 2^-8..2^8 with a random significand (a power of two would make every
+    quotient exact)."""
+    exponent = int(torch.randint(-8, 8, (1,), generator=gen))
+    return (2.0**exponent * (1 + torch.rand(1, generator=gen))).to(torch.float32)
+
+
+def _near_ties_rows(gen: torch.Generator, rows: int) -> torch.Tensor:
+    """Rows of ``_near_ties`` values, each led by its largest magnitude 448 * s (its scale is
+    then the float32 quotient by 448, which the midpoints are taken against)."""
+    out = []
+    for _ in range(rows):
+        amax = (torch.tensor(448.0) * _random_scale(gen)).to(torch.float32)
+        out.append(torch.cat([amax, _near_ties(amax / torch.tensor(448.0))]))
+    return torch.stack(out)
+
+
+def test_reshape_and_cache_fp8_near_ties(target, seed):
+    """Cache writes divide by the layer's scale exactly as IEEE does (``_quotient``: one
+    reciprocal, an FMA correction), next to the e4m3 midpoints too."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = target.device
+    k_scale, v_scale = _random_scale(gen), _random_scale(gen)
+    heads, dim = 2, 64
+    k = _near_ties(k_scale)
+    v = _near_ties(v_scale)
+    tokens = min(len(k), len(v)) // (heads * dim)
+    key = k[: tokens * heads * dim].view(tokens, heads, dim).to(dev)
+    value = v[: tokens * heads * dim].view(tokens, heads, dim).to(dev)
+    shape = (-(-tokens // 16), 16, heads, dim)
+    key_cache = torch.zeros(shape, dtype=FP8, device=dev)
+    value_cache = torch.zeros(shape, dtype=FP8, device=dev)
+    slots = torch.arange(tokens, device=dev)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    scales = {"k_scale": k_scale.to(dev), "v_scale": v_scale.to(dev)}
+    reference.reshape_and_cache(key, value, want_k, want_v, slots, **scales)
+    pk.reshape_and_cache(key, value, key_cache, value_cache, slots, backend=target.backend,
+                         **scales)  # fmt: skip
+    for got, want in ((key_cache, want_k), (value_cache, want_v)):
+        wrong = (got.float() != want.float()).sum()
+        assert wrong == 0, f"{int(wrong)} of {got.numel()} codes differ (seed={seed})"
+
+
+def test_quantize_fp8_per_token_near_ties(target, seed):
+    """The kernel's quotient is exactly IEEE x / scale (``_quotient``: a reciprocal per row
+    and an FMA correction, no division per value) where it matters most: next to the e4m3
+    rounding midpoints. A product by the reciprocal alone is off by an ulp often enough that
+    dozens of these values take the other code."""
+    gen = torch.Generator().manual_seed(seed)
+    x = _near_ties_rows(gen, 4).to(target.device)
+    q, s = pk.quantize_fp8_per_token(x, backend=target.backend)
+    want_q, want_s = reference.quantize_fp8_per_token(x.cpu())
+    assert torch.equal(s.cpu(), want_s), f"seed={seed}"
+    wrong = (q.cpu().float() != want_q.float()).sum()
+    assert wrong == 0, f"{int(wrong)} of {q.numel()} codes differ (seed={seed})"
 
 
 @pytest.mark.parametrize("cols", [16384, 16385, 20000])

@@ -37,6 +37,8 @@ from pagedattn_kernels.cache import triton_kernels as cache_kernels
 from pagedattn_kernels.cache import triton_launch as cache
 from pagedattn_kernels.fused import triton_kernels as fused_kernels
 from pagedattn_kernels.fused import triton_launch as fused
+from pagedattn_kernels.quant import triton_kernels as quant_kernels
+from pagedattn_kernels.quant import triton_launch as quant
 
 # SASS opcodes (with their width suffix where it matters) that --sass counts.
 SASS_OPS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDS", "LDS.U8", "LDS.U16", "LDS.64", "LDS.128",
@@ -183,6 +185,12 @@ def main() -> None:
     fused_proxy = _proxy(fused_kernels, ("rms_norm_kernel", "silu_and_mul_kernel",
                                          "rotary_kernel"))  # fmt: skip
     fused.kernels_for = lambda device, module: fused_proxy
+    quant_proxy = _proxy(quant_kernels, ("quantize_fp8_per_token_kernel",))
+    quant.kernels_for = lambda device, module: quant_proxy
+    # The stub's tensors live on the CPU, where the launchers would pick the interpreter's
+    # e4m3 encoder: compile the sm_90 one (the hardware conversion).
+    for launcher in (cache, fused, quant):
+        launcher.e4m3_encoder = lambda kernel, device: 2
 
     if args.fp8:
         _fp8_variants()
@@ -252,6 +260,19 @@ def _fp8_variants() -> None:
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),
                                   k_scale=unit, v_scale=unit)  # fmt: skip
+        # Writers of e4m3: the cache write, per-token quantization (one pass up to 16,384
+        # columns, two beyond), and the norms and SiLU that quantize their output.
+        kv = torch.empty(8, hkv, head_dim, dtype=dtype)
+        cache.reshape_and_cache(kv, kv, kc, kc, torch.zeros(8, dtype=torch.int64), unit, unit)
+        for cols in (4096, 14336, 20480):
+            x = torch.empty(4, cols, dtype=dtype)
+            quant.quantize_fp8_per_token(x, torch.empty(4, cols, dtype=kc.dtype),
+                                         torch.empty(4, 1))  # fmt: skip
+        x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
+        fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
+        fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)
+        fused.silu_and_mul(x, torch.empty(8, 2 * 14336, dtype=dtype), 14336,
+                           fp8_out=(torch.empty(8, 14336, dtype=kc.dtype), torch.empty(8, 1)))
 
 
 def _report() -> None:

@@ -250,6 +250,17 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def e4m3_encoder(kernel: object, device: torch.device) -> int:
+    """How a kernel that writes e4m3 encodes it (its ``E4M3`` constexpr): 2, the hardware's
+    conversion (``cvt.rn.satfinite.e4m3x2.f32``, sm_89 and later: nearest, ties to even, as
+    torch's cast); 1, integer operations, in the interpreter (whose cast does not carry a
+    mantissa round-up into the exponent: 7.97 becomes 4.0) and on older GPUs (where Triton
+    converts in software)."""
+    if is_interpreted(kernel) or device.type != "cuda" or capability(device) < (8, 9):
+        return 1
+    return 2
+
+
 @functools.cache
 def _unit(device: torch.device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=device)

@@ -11,6 +11,7 @@ import torch
 
 from pagedattn_kernels.common import (
     FP8_DTYPE,
+    e4m3_encoder,
     kernels_for,
     next_power_of_2,
     scale_or_unit,
@@ -41,7 +42,7 @@ def reshape_and_cache(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1], KV_FP8=key_cache.dtype == FP8_DTYPE,
-        num_warps=4,
+        E4M3=e4m3_encoder(kernel, key.device), num_warps=4,
     )  # fmt: skip
 
 

@@ -62,10 +62,22 @@ def _round(v, like_ptr, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _e4m3(y):
-    """fp32 ``y`` (already within +-448) to e4m3, nearest value, ties to even, with integer
-    operations: the same encoder as ``pagedattn_kernels.quant.triton_kernels._e4m3`` (see its
-    docstring; repeated because a kernel module holds its own helpers)."""
+def _quotient(x, scale, recip):
+    """fp32 ``x / scale`` correctly rounded from ``recip = div_rn(1, scale)``: the
+    quantization kernel's helper (``pagedattn_kernels.quant.triton_kernels._quotient`` says
+    why it is exact; repeated because a kernel module holds its own helpers)."""
+    q0 = x * recip
+    q1 = tl.fma(tl.fma(-q0, scale, x), recip, q0)
+    return tl.where(tl.abs(q0) <= 448.0, q1, q0)
+
+
+@triton.jit
+def _e4m3(y, E4M3: tl.constexpr):
+    """fp32 ``y`` (already within +-448) to e4m3, nearest value, ties to even: the hardware
+    conversion (E4M3 2) or integer operations (1), the quantization kernel's encoder
+    (``pagedattn_kernels.quant.triton_kernels._e4m3``)."""
+    if E4M3 == 2:
+        return y.to(tl.float8e4nv)
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -77,15 +89,19 @@ def _e4m3(y):
 
 
 @triton.jit
-def _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale):
+def _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale,
+                    E4M3: tl.constexpr):  # fmt: skip
     """Quantize whole rows ``y [ROWS, BLOCK]`` (fp32 holding model-dtype values; zeros past
     the row's end) per token to e4m3, as ``quantize_fp8_per_token`` does to the same values:
-    ``scale = max(amax / 448, min_scale)``, ``q = e4m3(clamp(y / scale))``, IEEE divisions."""
+    ``scale = max(amax / 448, min_scale)`` (IEEE division), ``q = e4m3(clamp(y / scale))``
+    (the quotient correctly rounded, ``_quotient``)."""
     amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
     scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -448.0), 448.0)
-    tl.store(q_ptr + r64 * stride_q + cols[None, :], _e4m3(v), mask=mask)
+    recip = tl.math.div_rn(1.0, scale)
+    v = _quotient(y, scale[:, None], recip[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(q_ptr + r64 * stride_q + cols[None, :], _e4m3(v, E4M3), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -121,9 +137,10 @@ def rms_norm_kernel(
     as torch's CUDA mean computes it. All loads precede the stores, so ``out`` may be ``x`` and
     ``residual_out`` may be ``residual`` (in place).
 
-    QUANT: the normed rows are not stored in the model dtype but quantized per token to e4m3
-    (``_store_fp8_rows``: ``q_ptr`` and the scales at ``scale_ptr``), the input of an fp8
-    linear layer; ``out_ptr`` only gives the model dtype for the roundings.
+    QUANT (1 or 2, the e4m3 encoder: ``_e4m3``'s E4M3): the normed rows are not stored in the
+    model dtype but quantized per token to e4m3 (``_store_fp8_rows``: ``q_ptr`` and the scales
+    at ``scale_ptr``), the input of an fp8 linear layer; ``out_ptr`` only gives the model
+    dtype for the roundings.
     """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -146,7 +163,8 @@ def rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = _round(w[None, :] * h, out_ptr, ROUND)
     if QUANT:
-        _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale)
+        _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale,
+                        QUANT)  # fmt: skip
     else:
         tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
@@ -173,8 +191,8 @@ def silu_and_mul_kernel(
     """``out[t, i] = silu(x[t, i]) * x[t, INTER + i]`` for a [ROWS, BLOCK] tile; silu as
     torch computes it, ``g / (1 + expf(-g))``, rounded to the dtype before the product.
 
-    QUANT (BLOCK >= INTER: a program holds whole rows): the products are quantized per token
-    to e4m3 (``_store_fp8_rows``) instead of stored, the input of an fp8 down projection;
+    QUANT (1 or 2 as ``rms_norm_kernel``'s; BLOCK >= INTER: a program holds whole rows): the
+    products are quantized per token to e4m3 (``_store_fp8_rows``) instead of stored, the input of an fp8 down projection;
     ``out_ptr`` only gives the model dtype for the roundings."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -191,7 +209,8 @@ def silu_and_mul_kernel(
     s = _round(tl.math.div_rn(g, 1.0 + e), out_ptr, ROUND)
     y = _round(s * u, out_ptr, ROUND)
     if QUANT:
-        _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale)
+        _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale,
+                        QUANT)  # fmt: skip
     else:
         tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from pagedattn_kernels.common import is_interpreted, kernels_for, next_power_of_2
+from pagedattn_kernels.common import e4m3_encoder, is_interpreted, kernels_for, next_power_of_2
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
 KERNELS = "pagedattn_kernels.fused.triton_kernels"
@@ -98,9 +98,14 @@ def rms_norm(
         x.stride(0), residual.stride(0), out2.stride(0), res_out2.stride(0),
         _fp32_reciprocal(hidden), eps, q, scale, q.stride(0), MIN_SCALE,
         HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, ADD=add,
-        ROUND=_round_mode(x.dtype, interpreted), QUANT=fp8_out is not None,
+        ROUND=_round_mode(x.dtype, interpreted), QUANT=_quant_mode(kernel, x, fp8_out),
         num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
+
+
+def _quant_mode(kernel: object, x: torch.Tensor, fp8_out: object) -> int:
+    """The kernels' QUANT: 0 stores the model dtype, else the e4m3 encoder to quantize with."""
+    return e4m3_encoder(kernel, x.device) if fp8_out is not None else 0
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
@@ -130,7 +135,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     kernel[grid](
         out2, x, num_rows, x.stride(0), out2.stride(0), q, scale, q.stride(0), MIN_SCALE,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
-        LIBDEVICE=not interpreted, QUANT=fp8_out is not None, num_warps=num_warps,
+        LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), num_warps=num_warps,
         enable_fp_fusion=False,
     )  # fmt: skip
 

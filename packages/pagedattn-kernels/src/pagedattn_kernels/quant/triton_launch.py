@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import kernels_for, next_power_of_2
+from pagedattn_kernels.common import e4m3_encoder, kernels_for, next_power_of_2
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
 KERNELS = "pagedattn_kernels.quant.triton_kernels"
@@ -33,6 +33,6 @@ def quantize_fp8_per_token(
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     kernel[(rows,)](
         x, out, scale_out, cols, x.stride(0), out.stride(0), MIN_SCALE,
-        BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
+        BLOCK=block, ONE_PASS=one_pass, E4M3=e4m3_encoder(kernel, x.device), num_warps=warps,
     )  # fmt: skip
     return out, scale_out
