@@ -19,6 +19,13 @@ per-channel scale applied in the epilogue. This script times a Triton kernel of 
         partials under 1/8 of the weight bytes, and they stay in L2.)
   fma   M <= 4 only: no tensor cores, the widened tile multiplied and summed in fp32 (GEMV)
 
+and two fp8 x fp8 variants on rows already quantized (as the fused norms and SiLU hand them to
+three of the four linear layers):
+
+  fp8_prequant  ``fp8_linear`` on ``Fp8Rows``: torch._scaled_mm alone
+  swap_fp8      ``pagedattn_kernels.fp8_matmul``: the operands swapped, weight rows on the
+                wgmma tile's 64/128-row side, the tokens on its N side, no conversion at all
+
 next to bf16 ``F.linear`` and the engine's ``fp8_linear``, on Llama-3-8B's four linear shapes
 (Q/K/V 6144x4096, O 4096x4096, gate/up 28672x4096, down 4096x14336) at M = 1..128, replayed
 from CUDA graphs (``do_bench_cudagraph``, as ``pagedkv.bench.kernels._time_graph``). Each call
@@ -48,6 +55,7 @@ import triton.language as tl
 from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, write_result
 
 import pagedattn_kernels
+from pagedattn_kernels.quant.triton_launch import Fp8MatmulConfig
 from pagedkv.engine.models.quantization import Fp8Rows, fp8_linear, quantize_weight
 
 log = logging.getLogger("fp8_weight_only_gemm")
@@ -102,71 +110,19 @@ def wo_fp8_kernel(
 
 
 @triton.jit
-def swap_fp8_kernel(
-    y_ptr, part_ptr, xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, M, N, K, k_chunk, stride_xm,
-    stride_wn, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """fp8 x fp8 with the operands swapped: y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]
-    computed as its transpose, acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
-    [BLOCK_K, BLOCK_M]. Grid (N blocks, M blocks, splits), split-K as ``wo_fp8_kernel``.
-
-    Why swapped: at decode batch sizes M (the tokens) is 1-64, and a tensor-core tile's M side
-    is 64 on sm_90's wgmma (128 in cuBLAS's fp8 kernels): the weight rows fill that side and
-    the few tokens the N side (16 here: a 16-token batch wastes nothing, a 1-token one 15/16
-    of the multiplies, which cost nothing while the weights stream in). Both operands stay
-    e4m3 (the fused norms and SiLU already quantize the tokens, ``Fp8Rows``): no conversion
-    in the loop, the weights read once at half bf16's bytes, both tiles K-contiguous as
-    wgmma wants fp8 operands. UPCAST: the interpreter (no fp8 dot): float32 operands, which
-    hold e4m3 values exactly."""
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    x_ptrs = xq_ptr + (rm % M).to(tl.int64)[None, :] * stride_xm + rk[:, None]  # [K, M] view
-    k_lo = pid_k * k_chunk
-    k_hi = tl.minimum(k_lo + k_chunk, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptrs + k)
-        else:
-            w = tl.load(w_ptrs + k, mask=(k + rk < K)[None, :], other=0.0)
-            x = tl.load(x_ptrs + k, mask=(k + rk < K)[:, None], other=0.0)
-        if UPCAST:
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, x, acc)
-    mask = (rn < N)[:, None] & (rm < M)[None, :]
-    y_off = rm[None, :] * N + rn[:, None]  # y[m, n]
-    if SPLIT:
-        tl.store(part_ptr + pid_k * M * N + y_off, acc, mask=mask)
-    else:
-        acc = acc * tl.load(w_scale_ptr + rn % N)[:, None] * tl.load(x_scale_ptr + rm % M)[None, :]
-        tl.store(y_ptr + y_off, acc.to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
-def splitk_reduce_kernel(y_ptr, part_ptr, scale_ptr, x_scale_ptr, numel, N, splits,
-                         BLOCK: tl.constexpr, X_SCALE: tl.constexpr):  # fmt: skip
-    """y = bf16(sum over splits of part[s] * scale[n] (* x_scale[m] with X_SCALE)), y and
-    each part[s] [M, N] flat."""
+def splitk_reduce_kernel(y_ptr, part_ptr, scale_ptr, numel, N, splits, BLOCK: tl.constexpr):
+    """y = bf16(sum over splits of part[s] * scale[n]), y and each part[s] [M, N] flat."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(splits):
         acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
     acc = acc * tl.load(scale_ptr + offs % N, mask=mask, other=0.0)
-    if X_SCALE:
-        acc = acc * tl.load(x_scale_ptr + offs // N, mask=mask, other=0.0)
     tl.store(y_ptr + offs, acc.to(tl.bfloat16), mask=mask)
 
 
 class Config(NamedTuple):
-    kind: str  # "dot" or "fma" (``wo_fp8_kernel``), "swap" (``swap_fp8_kernel``: block_n
-    # is then the weight rows per program, the tensor-core tile's M side)
+    kind: str  # "dot" or "fma"
     block_n: int
     block_k: int
     split_k: int  # 0: auto_split
@@ -180,10 +136,12 @@ CONFIGS = [Config("dot", 64, 128, 0, 4, 4), Config("dot", 128, 128, 0, 4, 4),
            Config("dot", 64, 256, 0, 4, 3), Config("dot", 128, 128, 0, 8, 3),
            Config("dot", 64, 128, 1, 4, 4), Config("fma", 32, 64, 0, 4, 3),
            Config("fma", 64, 64, 0, 4, 3)]  # fmt: skip
-# fp8 x fp8, swapped: 64 or 128 weight rows per wgmma tile, 128-256 bytes of K per stage
-SWAP_CONFIGS = [Config("swap", 128, 128, 0, 4, 4), Config("swap", 64, 128, 0, 4, 4),
-                Config("swap", 128, 256, 0, 4, 3), Config("swap", 64, 256, 0, 4, 4),
-                Config("swap", 128, 128, 0, 8, 4), Config("swap", 128, 128, 1, 4, 4)]  # fmt: skip
+# pagedattn_kernels.fp8_matmul (fp8 x fp8, operands swapped): 64 or 128 weight rows per
+# wgmma tile, 128-256 bytes of K per stage; sm_90 offline compiles (Triton 3.6): all QGMMA,
+# 70-153 instructions per loop step, 38-154 registers, 40-144 KB of shared memory
+SWAP_CONFIGS = [Fp8MatmulConfig(128, 128, 0, 4, 4), Fp8MatmulConfig(64, 128, 0, 4, 4),
+                Fp8MatmulConfig(128, 256, 0, 4, 3), Fp8MatmulConfig(64, 256, 0, 4, 4),
+                Fp8MatmulConfig(128, 128, 0, 8, 4), Fp8MatmulConfig(128, 128, 1, 4, 4)]  # fmt: skip
 
 
 def block_m_for(m: int, kind: str) -> int:
@@ -227,48 +185,23 @@ def make_wo(x: torch.Tensor, scale: torch.Tensor, n: int, cfg: Config, sms: int)
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
         if split > 1:
-            splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](y, part, scale, scale, m * n, n,
-                                                              split, BLOCK=1024,
-                                                              X_SCALE=False)  # fmt: skip
+            splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](y, part, scale, m * n, n, split,
+                                                              BLOCK=1024)  # fmt: skip
         return y
 
     return launch, split
 
 
 def make_swap(xq: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, n: int,
-              cfg: Config, sms: int):  # fmt: skip
-    """(launch, split) for ``swap_fp8_kernel``: ``launch(wq)`` computes ``(xq @ wq.T) *
-    x_scale * w_scale`` into one bf16 buffer. xq [M, K] e4m3 with x_scale [M] or [M, 1]
-    float32 (``quantize_fp8_per_token``), wq [N, K] e4m3 with w_scale of N float32."""
-    m, k = xq.shape
-    assert xq.dtype == FP8 and xq.stride(1) == 1, "xq: [M, K] e4m3, rows contiguous"
-    x_scale = x_scale.reshape(-1).contiguous()
-    w_scale = w_scale.reshape(-1).contiguous()
-    assert x_scale.numel() == m and w_scale.numel() == n
-    bm = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
-    grid_nm = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))
-    k_iters = triton.cdiv(k, cfg.block_k)
-    split = cfg.split_k or auto_split(grid_nm[0] * grid_nm[1], k_iters, sms, k // (32 * m))
-    k_chunk = triton.cdiv(k_iters, split) * cfg.block_k
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else y
-    upcast = xq.device.type == "cpu"
+              cfg: Fp8MatmulConfig):  # fmt: skip
+    """``launch(wq)``: ``pagedattn_kernels.fp8_matmul`` with these tiles into one bf16
+    buffer."""
+    y = torch.empty(xq.shape[0], n, dtype=torch.bfloat16, device=xq.device)
 
     def launch(wq: torch.Tensor) -> torch.Tensor:
-        assert wq.dtype == FP8 and wq.shape == (n, k) and wq.stride(1) == 1, "wq: [N, K] e4m3"
-        swap_fp8_kernel[(*grid_nm, split)](
-            y, part, xq, x_scale, wq, w_scale, m, n, k, k_chunk, xq.stride(0), wq.stride(0),
-            BLOCK_N=cfg.block_n, BLOCK_M=bm, BLOCK_K=cfg.block_k, SPLIT=split > 1,
-            EVEN_K=k % cfg.block_k == 0, UPCAST=upcast,
-            num_warps=cfg.warps, num_stages=cfg.stages,
-        )  # fmt: skip
-        if split > 1:
-            splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](y, part, w_scale, x_scale, m * n,
-                                                              n, split, BLOCK=1024,
-                                                              X_SCALE=True)  # fmt: skip
-        return y
+        return pagedattn_kernels.fp8_matmul(xq, x_scale, wq, w_scale, out=y, config=cfg)
 
-    return launch, split
+    return launch
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -284,15 +217,6 @@ CHECK_CASES = [(1, 96, 256, Config("dot", 32, 64, 0, 4, 1)),
                (40, 48, 136, Config("dot", 16, 32, 4, 4, 1)),
                (1, 80, 200, Config("fma", 32, 64, 2, 4, 1)),
                (4, 96, 256, Config("fma", 32, 64, 0, 4, 1))]  # fmt: skip
-
-
-# swap_fp8_kernel: M up to 16, past it (one and several 64-token blocks); N off the tiles;
-# uneven K and split-K
-SWAP_CHECK_CASES = [(1, 96, 256, Config("swap", 64, 64, 1, 4, 1)),
-                    (3, 80, 200, Config("swap", 32, 64, 3, 4, 1)),
-                    (16, 96, 256, Config("swap", 64, 64, 2, 4, 1)),
-                    (21, 64, 192, Config("swap", 64, 64, 0, 4, 1)),
-                    (70, 48, 136, Config("swap", 32, 32, 4, 4, 1))]  # fmt: skip
 
 
 def check() -> int:
@@ -320,23 +244,22 @@ def check() -> int:
         log.info("%s M=%-3d N=%-3d K=%-3d BN=%-3d BK=%-3d split=%d: rel err %.1e, worst "
                  "|err|/bound %.2f %s", cfg.kind, m, n, k, cfg.block_n, cfg.block_k, split,
                  rel_err(y, ref), worst, "ok" if worst <= 1.0 else "WRONG")  # fmt: skip
-    for m, n, k, cfg in SWAP_CHECK_CASES:  # the same bound on the quantized operands
-        w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
-        w[::7] *= 30.0
-        wq, ws = quantize_weight(w.to(torch.bfloat16))
-        x = torch.randn(m, k, generator=gen, device=dev) * torch.rand(m, 1, device=dev) * 9
-        xq, xs = pagedattn_kernels.quantize_fp8_per_token(x.to(torch.bfloat16))
-        launch, split = make_swap(xq, xs, ws, n, cfg, sms=132)
-        y = launch(wq).double()
-        wd = wq.double() * ws.reshape(-1, 1).double()
-        xd = xq.double() * xs.reshape(-1, 1).double()
+    # swap_fp8 (pagedattn_kernels.fp8_matmul, tested in tests/kernels/test_fp8_matmul.py) on
+    # the same bound over its quantized operands, with small tiles and forced splits
+    for m, n, k, split in ((1, 96, 256, 1), (21, 64, 192, 3), (70, 48, 136, 2)):
+        cfg = Fp8MatmulConfig(32, 64, split, 4, 1 if dev == "cpu" else 4)
+        wq, ws = quantize_weight((torch.randn(n, k, generator=gen, device=dev) * 0.1)
+                                 .to(torch.bfloat16))  # fmt: skip
+        xq, xs = pagedattn_kernels.quantize_fp8_per_token(
+            torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16))
+        y = make_swap(xq, xs, ws, n, cfg)(wq).double()
+        xd, wd = xq.double() * xs.double(), wq.double() * ws.reshape(-1, 1).double()
         ref = xd @ wd.T
         bound = u * ref.abs() + (1 + u) * (k + 3) * 2.0**-24 * (xd.abs() @ wd.abs().T)
         worst = float(((y - ref).abs() / bound).max())
         bad += not worst <= 1.0
-        log.info("swap M=%-3d N=%-3d K=%-3d BN=%-3d BK=%-3d split=%d: rel err %.1e, worst "
-                 "|err|/bound %.2f %s", m, n, k, cfg.block_n, cfg.block_k, split,
-                 rel_err(y, ref), worst, "ok" if worst <= 1.0 else "WRONG")  # fmt: skip
+        log.info("swap M=%-3d N=%-3d K=%-3d split=%d: rel err %.1e, worst |err|/bound %.2f %s",
+                 m, n, k, split, rel_err(y, ref), worst, "ok" if worst <= 1.0 else "WRONG")  # fmt: skip
     return bad
 
 
@@ -387,11 +310,11 @@ def main() -> int:
                              lambda w, rows8=rows8, ws=ws: fp8_linear(rows8, w, ws), wqs,
                              n * k + 4 * n))  # fmt: skip
             for cfg in SWAP_CONFIGS:
-                launch, split = make_swap(xq, xs, ws, n, cfg, sms)
-                info = {"kind": cfg.kind, "block_m": max(16, triton.next_power_of_2(m))
-                        if m <= 64 else 64, "block_n": cfg.block_n, "block_k": cfg.block_k,
-                        "split_k": split, "num_warps": cfg.warps, "num_stages": cfg.stages}  # fmt: skip
-                variants.append(("swap_fp8", info, launch, wqs, n * k + 4 * n))
+                info = {"kind": "swap", "block_n": cfg.block_n, "block_k": cfg.block_k,
+                        "split_k": cfg.split_k, "num_warps": cfg.num_warps,
+                        "num_stages": cfg.num_stages}  # fmt: skip
+                variants.append(("swap_fp8", info, make_swap(xq, xs, ws, n, cfg), wqs,
+                                 n * k + 4 * n))  # fmt: skip
             for cfg in CONFIGS:
                 if cfg.kind == "fma" and m > 4:
                     continue

@@ -342,6 +342,33 @@ def test_fp8_linear_fallback_is_the_quantized_product(seed, dtype):
     assert ((y.double() - exact).norm() / exact.norm()) < 0.08
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_takes_fp8_matmul_for_few_rows(seed, dtype, monkeypatch):
+    """Up to ``FP8_MATMUL_MAX_ROWS`` rows (from ``PAGEDKV_FP8_MATMUL_MAX_ROWS``; 0 = never)
+    ``fp8_linear`` calls ``pagedattn_kernels.fp8_matmul``: the same arithmetic as the
+    float32 fallback, so on the CPU the same bits; more rows keep the other path."""
+    import pagedattn_kernels
+    from pagedkv.engine.models import quantization
+    from pagedkv.engine.models.quantization import Fp8Rows, quantize_weight
+
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(32, 48, generator=gen) * 0.05).to(dtype)
+    wq, ws = quantize_weight(w)
+    calls = []
+    real = pagedattn_kernels.fp8_matmul
+    monkeypatch.setattr(pagedattn_kernels, "fp8_matmul",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))  # fmt: skip
+    for rows in (1, 7, 9):
+        x = (torch.randn(rows, 48, generator=gen) * 3).to(dtype)
+        fallback = fp8_linear(x, wq, ws)
+        q, xs = pagedattn_kernels.quantize_fp8_per_token(x)
+        monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 8)
+        assert torch.equal(fp8_linear(x, wq, ws), fallback), f"rows={rows} (seed={seed})"
+        assert torch.equal(fp8_linear(Fp8Rows(q, xs, dtype), wq, ws), fallback)
+        monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 0)
+    assert calls == [1, 1, 7, 7], calls
+
+
 def test_quantized_model_logits_stay_close(tiny_checkpoint, single_thread):
     cfg, model = _tiny_llama(tiny_checkpoint)
     _, quant = _tiny_llama(tiny_checkpoint)
@@ -547,6 +574,26 @@ def test_scaled_mm_matches_the_fallback(seed, m):
     y_ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu())
     err = (y.cpu().double() - y_ref.double()).norm() / y_ref.double().norm()
     assert err < 1e-2, f"rel error {err:.2e} (seed={seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_fp8_matmul_matches_scaled_mm(seed, m, monkeypatch):
+    """The swapped Triton fp8 matmul against ``torch._scaled_mm`` on the same quantized
+    operands: both exact products summed in float32, so equal up to the sums' order and the
+    bf16 output's rounding."""
+    from pagedkv.engine.models import quantization
+    from pagedkv.engine.models.quantization import quantize_weight
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(6144, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    wq, ws = quantize_weight(w)
+    y_scaled_mm = fp8_linear(x, wq, ws)
+    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 64)
+    y = fp8_linear(x, wq, ws)
+    err = (y.double() - y_scaled_mm.double()).norm() / y_scaled_mm.double().norm()
+    assert err < 4e-3, f"rel error {err:.2e} (seed={seed})"
 
 
 @pytest.fixture(scope="module")

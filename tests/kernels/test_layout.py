@@ -31,6 +31,7 @@ ENGINE_NAMES = {
     "rms_norm_fp8",
     "fused_add_rms_norm_fp8",
     "silu_and_mul_fp8",
+    "fp8_matmul",
     "rotary_embedding",
     "quantize_fp8_per_token",
     "resolve_backend",

@@ -185,7 +185,8 @@ def main() -> None:
     fused_proxy = _proxy(fused_kernels, ("rms_norm_kernel", "silu_and_mul_kernel",
                                          "rotary_kernel"))  # fmt: skip
     fused.kernels_for = lambda device, module: fused_proxy
-    quant_proxy = _proxy(quant_kernels, ("quantize_fp8_per_token_kernel",))
+    quant_proxy = _proxy(quant_kernels, ("quantize_fp8_per_token_kernel", "fp8_matmul_kernel",
+                                         "fp8_matmul_reduce_kernel"))  # fmt: skip
     quant.kernels_for = lambda device, module: quant_proxy
     # The stub's tensors live on the CPU, where the launchers would pick the interpreter's
     # e4m3 encoder: compile the sm_90 one (the hardware conversion).
@@ -268,6 +269,12 @@ def _fp8_variants() -> None:
             x = torch.empty(4, cols, dtype=dtype)
             quant.quantize_fp8_per_token(x, torch.empty(4, cols, dtype=kc.dtype),
                                          torch.empty(4, 1))  # fmt: skip
+        for m in (1, 16, 64):  # the fp8 matmul at decode batch sizes (its default tiles)
+            wq = torch.empty(6144, 4096, dtype=kc.dtype)
+            for split in (0, 4):  # the launcher's split (none here: 4 stub SMs), and four
+                quant.fp8_matmul(torch.empty(m, 4096, dtype=kc.dtype), torch.ones(m), wq,
+                                 torch.ones(6144), torch.empty(m, 6144, dtype=dtype),
+                                 quant.Fp8MatmulConfig(split_k=split))  # fmt: skip
         x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
         fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
         fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)

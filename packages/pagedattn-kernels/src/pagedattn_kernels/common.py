@@ -250,6 +250,21 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, interpreted: int = 4) -> int:
+    """Streaming multiprocessors of a CUDA device (the launchers size grids by it); on the
+    CPU, where the interpreter has none, ``interpreted``: a few, so that small tests take the
+    paths that split work across programs."""
+    if device.type != "cuda":
+        return interpreted
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
 def e4m3_encoder(kernel: object, device: torch.device) -> int:
     """How a kernel that writes e4m3 encodes it (its ``E4M3`` constexpr): 2, the hardware's
     conversion (``cvt.rn.satfinite.e4m3x2.f32``, sm_89 and later: nearest, ties to even, as

@@ -8,7 +8,8 @@ checks (``checks.py``), the torch path (``torch_impl.py``), the Triton launchers
 - ``attention/``: paged attention over mixed prefill/decode batches, paged decode attention;
 - ``cache/``: writing K/V into their slots, copying blocks (copy-on-write), swapping blocks;
 - ``fused/``: RMSNorm (with the residual add), SiLU-and-multiply, rotary embedding;
-- ``quant/``: per-token fp8 quantization of activations (the dynamic side of an fp8 matmul).
+- ``quant/``: per-token fp8 quantization of activations (the dynamic side of an fp8 matmul)
+  and the fp8 matmul that takes them.
 
 This module imports each op from its folder, and that import line is what makes an op public:
 ``pagedattn_kernels`` re-exports this module's ``__all__`` and ``pagedattn_kernels.reference``
@@ -37,7 +38,7 @@ from pagedattn_kernels.fused.ops import (
     silu_and_mul,
     silu_and_mul_fp8,
 )
-from pagedattn_kernels.quant.ops import quantize_fp8_per_token
+from pagedattn_kernels.quant.ops import fp8_matmul, quantize_fp8_per_token
 
 __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     # attention/
@@ -58,6 +59,7 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "silu_and_mul",
     "silu_and_mul_fp8",
     # quant/
+    "fp8_matmul",
     "quantize_fp8_per_token",
     # fp8 (common): the cache dtype of an fp8 KV cache and its largest magnitude
     "FP8_DTYPE",

@@ -7,7 +7,6 @@ the same kernels in Triton's interpreter (``pagedattn_kernels.common.kernels_for
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ from pagedattn_kernels.common import (
     kernels_for,
     next_power_of_2,
     scale_or_unit,
+    sm_count,
 )
 
 KERNELS = "pagedattn_kernels.attention.triton_kernels"
@@ -31,8 +31,6 @@ TMA_MIN_TOKENS = 2048
 # Split a sequence no finer than this many tokens: below it the merge costs more than it saves.
 MIN_PARTITION = 256
 MAX_SPLITS = 256
-# The interpreter has no SMs; pretend to have a few so that small tests take the split path.
-_INTERPRETER_SMS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +106,6 @@ def prefill_config(
         cfg = PrefillConfig(32, 32, 4, 2) if dpad <= 128 else PrefillConfig(16, 32, 4, 1)
     block_m = max(cfg.block_m, next_power_of_2(queries_per_kv), 16)
     return PrefillConfig(block_m, cfg.tile_n, cfg.num_warps, cfg.num_stages)
-
-
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_sm_count(index)
 
 
 def choose_num_splits(

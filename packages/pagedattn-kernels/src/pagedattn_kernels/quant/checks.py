@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import check_float, fail
+from pagedattn_kernels.common import FP8_DTYPE, check_float, fail
 
 
 def check_quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor | None,
@@ -30,3 +30,36 @@ def check_quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor | None,
     ):
         raise fail(op, f"scale_out must be a contiguous float32 tensor of shape ({rows}, 1) "
                        f"on {x.device}")  # fmt: skip
+
+
+def check_fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                     w_scale: torch.Tensor, out: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> None:  # fmt: skip
+    op = "fp8_matmul"
+    check_float(op, "xq", xq, 2, (FP8_DTYPE,))
+    check_float(op, "wq", wq, 2, (FP8_DTYPE,))
+    (m, k), n = xq.shape, wq.shape[0]
+    if wq.shape[1] != k:
+        raise fail(op, f"xq {tuple(xq.shape)} and wq {tuple(wq.shape)} must share the inner "
+                       f"dimension (wq is [out, in])")  # fmt: skip
+    for name, t, rows in (("x_scale", x_scale, m), ("w_scale", w_scale, n)):
+        check_float(op, name, t, t.dim() if isinstance(t, torch.Tensor) else 1,
+                    (torch.float32,))  # fmt: skip
+        if t.numel() != rows or t.dim() > 2 or (t.dim() == 2 and 1 not in t.shape):
+            raise fail(op, f"{name} must hold one float32 scale per row of "
+                           f"{'xq' if name == 'x_scale' else 'wq'} ({rows}), got shape "
+                           f"{tuple(t.shape)}")  # fmt: skip
+    for name, t in (("x_scale", x_scale), ("w_scale", w_scale), ("wq", wq)):
+        if t.device != xq.device:
+            raise fail(op, f"{name} is on {t.device}, xq on {xq.device}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise fail(op, f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if out is not None and (
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != (m, n)
+        or out.dtype != out_dtype
+        or out.device != xq.device
+        or (n > 1 and out.stride(1) != 1)
+    ):
+        raise fail(op, f"out must be a {out_dtype} tensor of shape ({m}, {n}) on {xq.device} "
+                       f"with contiguous rows")  # fmt: skip

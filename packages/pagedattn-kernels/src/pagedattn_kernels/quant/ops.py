@@ -1,4 +1,5 @@
-"""The quantization op: per-token (per-row) dynamic fp8 quantization of activations.
+"""The quantization ops: per-token (per-row) dynamic fp8 quantization of activations, and the
+fp8 matmul that takes them with per-channel fp8 weights.
 
 It checks its inputs (``checks``), then runs the implementation that fits the tensors' device
 (``pagedattn_kernels.common.resolve_backend``): the Triton kernel (``triton_launch``,
@@ -12,9 +13,9 @@ import torch
 
 from pagedattn_kernels.common import FP8_DTYPE, check_fp8_triton, resolve_backend
 from pagedattn_kernels.quant import torch_impl, triton_launch
-from pagedattn_kernels.quant.checks import check_quantize_fp8_per_token
+from pagedattn_kernels.quant.checks import check_fp8_matmul, check_quantize_fp8_per_token
 
-__all__ = ["quantize_fp8_per_token"]
+__all__ = ["fp8_matmul", "quantize_fp8_per_token"]
 
 
 def quantize_fp8_per_token(
@@ -40,3 +41,34 @@ def quantize_fp8_per_token(
     check_fp8_triton("quantize_fp8_per_token", x.device)
     x = x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
     return triton_launch.quantize_fp8_per_token(x, out, scale_out)
+
+
+def fp8_matmul(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    config: object | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``y [M, N] = (xq @ wq.T) * x_scale * w_scale.T`` in ``out_dtype``: ``xq [M, K]`` e4m3
+    rows with one float32 scale each (``quantize_fp8_per_token``'s output), ``wq [N, K]`` an
+    e4m3 weight with one float32 scale per output channel (``[N]``, ``[N, 1]`` or ``[1, N]``).
+    The products are exact and summed in float32, as ``torch._scaled_mm`` with row-wise
+    scales does. The Triton kernel swaps the operands so that a few rows (decode batches)
+    waste no tensor-core tile (``triton_kernels.fp8_matmul_kernel``); ``config``: its tiles
+    (``triton_launch.Fp8MatmulConfig``), for benchmarks."""
+    check_fp8_matmul(xq, x_scale, wq, w_scale, out, out_dtype)
+    m, n = xq.shape[0], wq.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if resolve_backend(xq.device, backend) == "torch":
+        return torch_impl.fp8_matmul(xq, x_scale, wq, w_scale, out)
+    check_fp8_triton("fp8_matmul", xq.device)
+    xq = xq if xq.shape[1] <= 1 or xq.stride(1) == 1 else xq.contiguous()
+    wq = wq if wq.shape[1] <= 1 or wq.stride(1) == 1 else wq.contiguous()
+    return triton_launch.fp8_matmul(xq, x_scale.contiguous(), wq, w_scale.contiguous(), out,
+                                    config)  # fmt: skip

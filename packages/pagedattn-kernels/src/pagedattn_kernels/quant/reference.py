@@ -1,6 +1,7 @@
-"""Float64-exact reference of the quantization op, written for obviousness: the scale from the
+"""Float64-exact references of the quantization ops, written for obviousness: the scale from the
 row's largest magnitude, then each element to its nearest e4m3 value by search over the codes
-(``pagedattn_kernels.cache.reference.nearest_e4m3``), no cast involved."""
+(``pagedattn_kernels.cache.reference.nearest_e4m3``), no cast involved; the fp8 matmul as the
+float64 product of the dequantized operands."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from pagedattn_kernels.cache.reference import nearest_e4m3
 
-__all__ = ["quantize_fp8_per_token"]
+__all__ = ["fp8_matmul", "quantize_fp8_per_token"]
 
 _FP8_MAX = 448.0
 _MIN_SCALE = 1.0 / (448.0 * 512.0)
@@ -29,3 +30,12 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
                 torch.empty((0, 1), dtype=torch.float32, device=x.device))  # fmt: skip
     return torch.stack(rows), torch.stack(scales).to(x.device)
+
+
+def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+               w_scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """float64 ``(xq * x_scale) @ (wq * w_scale.T).T``: what the kernels compute, before
+    their float32 sums and the output's rounding."""
+    x = xq.to(torch.float64) * x_scale.reshape(-1, 1).to(torch.float64)
+    w = wq.to(torch.float64) * w_scale.reshape(-1, 1).to(torch.float64)
+    return x @ w.T

@@ -27,3 +27,12 @@ def quantize_fp8_per_token(
     torch.clamp(amax / fp8_max, min=MIN_SCALE, out=scale_out)
     out.copy_((xf / scale_out).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
     return out, scale_out
+
+
+def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+               w_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``(xq @ wq.T) * x_scale * w_scale.T`` in float32 (e4m3 values and their products are
+    exact there), then ``out``'s dtype."""
+    y = xq.to(torch.float32) @ wq.to(torch.float32).T
+    y = y * x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    return out.copy_(y)

@@ -1,5 +1,6 @@
-"""The Triton kernel of the quantization op (device code only; the launcher is in
-``triton_launch``): per-token fp8 quantization, one program per row.
+"""The Triton kernels of the quantization ops (device code only; the launchers are in
+``triton_launch``): per-token fp8 quantization, one program per row, and the fp8 matmul that
+takes its output (``fp8_matmul_kernel``).
 
 A program holds a row of up to 16,384 values in registers (a Llama-3-8B row is at most 14,336
 wide) and reads it once; a longer row is read twice, a chunk at a time: once for the largest
@@ -107,3 +108,91 @@ def quantize_fp8_per_token_kernel(
         x = tl.load(x_row + start + c, mask=mask, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(_quotient(x, scale, recip), -448.0), 448.0)
         tl.store(o_row + start + c, _e4m3(y, E4M3), mask=mask)
+
+
+@triton.jit
+def fp8_matmul_kernel(
+    y_ptr,
+    part_ptr,
+    xq_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    M,
+    N,
+    K,
+    k_chunk,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
+    operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
+    [BLOCK_K, BLOCK_M]``. Grid: (N blocks, M blocks, splits); split ``s`` sums K range
+    [s * k_chunk, + k_chunk) (k_chunk a multiple of BLOCK_K).
+
+    Why swapped: at decode batch sizes M (the tokens) is 1-64, while a tensor-core tile's M
+    side is 64 on sm_90's wgmma (cuBLAS's fp8 kernels take 128 rows there). The weight rows
+    fill that side, the few tokens the N side (16 at least: one token wastes 15/16 of the
+    multiplies, which cost nothing while the weights stream in). Both operands stay e4m3 and
+    K-contiguous, as wgmma takes fp8: no conversion in the loop (sm_90 offline compile: QGMMA,
+    about 90 instructions per 16 KB of weights), and the weights are read once, at half
+    bf16's bytes.
+
+    Rows past M and columns past N re-read valid ones (``% M``, ``% N``: no masks in the loop)
+    and are not stored. SPLIT: the raw fp32 sums go to ``part [splits, M, N]`` and
+    ``fp8_matmul_reduce_kernel`` finishes; else scaled and stored in y's dtype. UPCAST: the
+    interpreter, which has no fp8 dot: float32 operands, which hold e4m3 values exactly."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptrs = xq_ptr + (rm % M).to(tl.int64)[None, :] * stride_xm + rk[:, None]  # [K, M] view
+    k_lo = pid_k * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, K)
+    acc = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptrs + k)
+        else:
+            w = tl.load(w_ptrs + k, mask=(k + rk < K)[None, :], other=0.0)
+            x = tl.load(x_ptrs + k, mask=(k + rk < K)[:, None], other=0.0)
+        if UPCAST:
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+    mask = (rn < N)[:, None] & (rm < M)[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+    else:
+        acc = acc * tl.load(w_scale_ptr + rn % N)[:, None]
+        acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
+        y = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_matmul_reduce_kernel(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, numel, N, splits,
+                             stride_ym, BLOCK: tl.constexpr):  # fmt: skip
+    """``y[m, n] = (sum over splits of part[s, m, n]) * w_scale[n] * x_scale[m]``, the splits
+    of ``fp8_matmul_kernel`` summed in a fixed order (the same result on every run)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    acc = acc * tl.load(w_scale_ptr + n, mask=mask, other=0.0)
+    acc = acc * tl.load(x_scale_ptr + m, mask=mask, other=0.0)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)

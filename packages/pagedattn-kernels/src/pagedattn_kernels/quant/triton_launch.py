@@ -1,4 +1,4 @@
-"""Launcher of the quantization kernel (``triton_kernels.py``).
+"""Launchers of the quantization kernels (``triton_kernels.py``).
 
 Inputs arrive checked (``ops`` checks them). CUDA tensors get the compiled kernel, CPU tensors
 the same kernel in Triton's interpreter (``pagedattn_kernels.common.kernels_for``).
@@ -6,9 +6,17 @@ the same kernel in Triton's interpreter (``pagedattn_kernels.common.kernels_for`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pagedattn_kernels.common import e4m3_encoder, kernels_for, next_power_of_2
+from pagedattn_kernels.common import (
+    e4m3_encoder,
+    is_interpreted,
+    kernels_for,
+    next_power_of_2,
+    sm_count,
+)
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
 KERNELS = "pagedattn_kernels.quant.triton_kernels"
@@ -36,3 +44,65 @@ def quantize_fp8_per_token(
         BLOCK=block, ONE_PASS=one_pass, E4M3=e4m3_encoder(kernel, x.device), num_warps=warps,
     )  # fmt: skip
     return out, scale_out
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8MatmulConfig:
+    """Tiles of ``fp8_matmul_kernel``: ``block_n`` weight rows (the tensor-core tile's M
+    side: 64 or 128 for wgmma) and ``block_k`` columns per step; ``split_k`` 0 picks the
+    split that fills the SMs (``auto_split``)."""
+
+    block_n: int = 128
+    block_k: int = 128
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Not yet timed on an H200 (scripts/fp8_weight_only_gemm.py sweeps these against
+# torch._scaled_mm): 128 x 128 bytes of weights per stage, four stages in flight.
+FP8_MATMUL_CONFIG = Fp8MatmulConfig()
+_INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
+
+
+def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
+    """The split-K (a power of 2 up to ``max_split``, at least 4 K steps per split) whose
+    ``tiles * split`` programs fill whole waves of the SMs best (one program per SM
+    assumed); the smaller on a tie."""
+    splits = [s for s in (1, 2, 4, 8, 16) if k_iters >= 4 * s and s <= max_split] or [1]
+    return max(splits, key=lambda s: (tiles * s / (-(-tiles * s // sms) * sms), -s))
+
+
+def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+               w_scale: torch.Tensor, out: torch.Tensor,
+               config: Fp8MatmulConfig | None = None) -> torch.Tensor:  # fmt: skip
+    m, k = xq.shape
+    n = wq.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    kernels = kernels_for(xq.device, KERNELS)
+    interpreted = is_interpreted(kernels.fp8_matmul_kernel)
+    cfg = config or (_INTERPRETER_CONFIG if interpreted else FP8_MATMUL_CONFIG)
+    block_m = min(64, max(16, next_power_of_2(m)))
+    grid_nm = (-(-n // cfg.block_n), -(-m // block_m))
+    k_iters = -(-k // cfg.block_k)
+    sms = sm_count(xq.device)
+    # fp32 partials (split * M * N * 4 bytes) at most 1/8 of the e4m3 weights (N * K)
+    split = cfg.split_k or auto_split(grid_nm[0] * grid_nm[1], k_iters, sms, max(1, k // (32 * m)))
+    k_chunk = -(-k_iters // split) * cfg.block_k
+    x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    kernels.fp8_matmul_kernel[(*grid_nm, split)](
+        out, part, xq, x_scale, wq, w_scale, m, n, k, k_chunk,
+        xq.stride(0), wq.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+        EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
+            out, part, x_scale, w_scale, m * n, n, split, out.stride(0), BLOCK=1024
+        )
+    return out

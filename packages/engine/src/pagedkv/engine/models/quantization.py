@@ -16,6 +16,14 @@ in vLLM). At run time each activation row (token) is quantized with its own *dyn
   weight), but it computes what the fp8 kernel computes, so the CPU can measure the accuracy
   of fp8 weights (``python -m pagedkv.bench.fp8_accuracy``).
 
+Few rows (decode batches): cuBLAS's fp8 kernels tile the rows by 128, so at 16 tokens
+``torch._scaled_mm`` was only 8% faster than bf16 on an H200 although it reads half the weight
+bytes. ``pagedattn_kernels.fp8_matmul`` swaps the operands (weight rows on the tile's long
+side) and takes the matmuls of up to ``FP8_MATMUL_MAX_ROWS`` rows: the same arithmetic (exact
+products, float32 sums), in another kernel. Off (0) until timed on an H200
+(``scripts/fp8_weight_only_gemm.py``, variant ``swap_fp8``); the environment variable
+``PAGEDKV_FP8_MATMUL_MAX_ROWS`` sets it for a run.
+
 Why per channel and per token: one scale per tensor lets a single outlier channel or token
 flatten the resolution of all others; per-row scales cost one float per row and nothing in the
 kernel's inner loop.
@@ -34,6 +42,7 @@ SiLU-and-multiply quantizes only from ``FUSED_FP8_ACT_MIN_ROWS`` rows (``models/
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,6 +53,8 @@ import pagedattn_kernels
 
 FP8 = torch.float8_e4m3fn
 METHODS = ("fp8",)
+# Matmuls of at most this many rows go to pagedattn_kernels.fp8_matmul (see above).
+FP8_MATMUL_MAX_ROWS = int(os.environ.get("PAGEDKV_FP8_MATMUL_MAX_ROWS", "0"))
 
 
 class Fp8Rows(NamedTuple):
@@ -95,7 +106,9 @@ def fp8_linear(
     else:
         shape, dtype = x.shape, x.dtype
         q, x_scale = pagedattn_kernels.quantize_fp8_per_token(x.reshape(-1, shape[-1]))
-    if uses_scaled_mm(q, weight):
+    if q.shape[0] <= FP8_MATMUL_MAX_ROWS:
+        y = pagedattn_kernels.fp8_matmul(q, x_scale, weight, weight_scale, out_dtype=dtype)
+    elif uses_scaled_mm(q, weight):
         # Row-wise scaling produces bfloat16 only; other model dtypes are cast after.
         y = torch._scaled_mm(
             q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=torch.bfloat16

@@ -1,0 +1,124 @@
+"""``fp8_matmul``: e4m3 rows times an e4m3 weight, against the float64 reference.
+
+- every backend (the torch path, the Triton kernel in the interpreter and compiled) within an
+  elementwise bound of the float64 product of the dequantized operands: the output's rounding
+  plus the float32 sums' (``_bound``), at decode-sized and larger M, N and K off the tiles,
+  with and without split-K;
+- the split sums are added in a fixed order: the same bits on every call;
+- bad calls: a clear ``ValueError`` and nothing written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedattn_kernels as pk
+from pagedattn_kernels import reference
+
+FP8, F32, BF16, F16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.float16
+
+
+def _operands(gen: torch.Generator, m: int, n: int, k: int, device: str):
+    """Rows of different magnitudes and a weight whose channels differ in scale, quantized
+    as the engine quantizes them."""
+    x = torch.randn(m, k, generator=gen, device=device)
+    x = x * torch.exp(2 * torch.randn(m, 1, generator=gen, device=device))
+    w = torch.randn(n, k, generator=gen, device=device) * k**-0.5
+    w[::7] *= 30.0
+    xq, xs = pk.quantize_fp8_per_token(x, backend="torch")
+    wq, ws = pk.quantize_fp8_per_token(w, backend="torch")
+    return xq, xs, wq, ws.reshape(1, -1)  # the weight scale as quantize_weight keeps it
+
+
+def _bound(xq, xs, wq, ws, dtype: torch.dtype, interpreted: bool) -> torch.Tensor:
+    """|y - ref| <= u |ref| + (1 + u) (K + 3) 2^-24 (|x| @ |w|.T): u the output dtype's
+    rounding (bf16 in the interpreter truncates: 2^-7), then the float32 sums of K exact
+    products and the two scalings, in any order."""
+    u = {F32: 2.0**-24, F16: 2.0**-11, BF16: 2.0**-7 if interpreted else 2.0**-8}[dtype]
+    x = xq.double().abs() * xs.double().reshape(-1, 1)
+    w = wq.double().abs() * ws.double().reshape(-1, 1)
+    ref = reference.fp8_matmul(xq, xs, wq, ws)
+    k = xq.shape[1]
+    return ref, u * ref.abs() + (1 + u) * (k + 3) * 2.0**-24 * (x @ w.T)
+
+
+# (M, N, K): one token, a few, a 16-token block exactly, past it, past 64 (several M blocks);
+# N and K off every tile
+SHAPES = [(1, 96, 256), (3, 80, 200), (16, 64, 192), (21, 48, 136), (70, 40, 96)]
+FULL_SHAPES = [(1, 4096, 4096), (16, 6144, 4096), (37, 4096, 14336), (64, 28672, 4096),
+               (200, 1000, 1000)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_fp8_matmul_within_bound(target, seed, dtype):
+    gen = target.generator(seed)
+    interpreted = target.backend == "triton" and not target.full
+    for m, n, k in FULL_SHAPES if target.full else SHAPES:
+        xq, xs, wq, ws = _operands(gen, m, n, k, target.device)
+        y = pk.fp8_matmul(xq, xs, wq, ws, out_dtype=dtype, backend=target.backend)
+        assert y.shape == (m, n) and y.dtype == dtype
+        ref, bound = _bound(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), dtype, interpreted)
+        worst = float(((y.cpu().double() - ref).abs() / bound).max())
+        assert worst <= 1.0, f"M={m} N={n} K={k}: |err| / bound {worst:.2f} (seed={seed})"
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_fp8_matmul_split_k(target, seed, split_k):
+    """Split-K (the partial sums of K ranges, then a second kernel adds them in order and
+    scales): within the bound, an empty last split included (K = 200 in steps of 64: splits of
+    2, 2, 0), into a given output with strided rows; the same bits on a second call."""
+    if target.backend != "triton":
+        pytest.skip("a Triton kernel option")
+    from pagedattn_kernels.quant.triton_launch import Fp8MatmulConfig
+
+    gen = target.generator(seed)
+    m, n, k = (21, 80, 200) if not target.full else (37, 4096, 14336)
+    cfg = Fp8MatmulConfig(block_n=32 if not target.full else 128, block_k=64,
+                          split_k=split_k, num_stages=1 if not target.full else 4)  # fmt: skip
+    xq, xs, wq, ws = _operands(gen, m, n, k, target.device)
+    wide = torch.full((m, n + 8), float("nan"), dtype=BF16, device=target.device)
+    out = wide[:, :n]
+    y = pk.fp8_matmul(xq, xs, wq, ws, out=out, config=cfg, backend="triton")
+    assert y is out and torch.isnan(wide[:, n:]).all()
+    ref, bound = _bound(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), BF16, not target.full)
+    worst = float(((y.cpu().double() - ref).abs() / bound).max())
+    assert worst <= 1.0, f"split {split_k}: |err| / bound {worst:.2f} (seed={seed})"
+    again = pk.fp8_matmul(xq, xs, wq, ws, config=cfg, backend="triton")
+    assert torch.equal(again, y), f"seed={seed}"
+
+
+def test_fp8_matmul_empty_shapes():
+    xq = torch.zeros(0, 64, dtype=FP8)
+    wq = torch.zeros(32, 64, dtype=FP8)
+    for backend in ("torch", "triton"):
+        assert pk.fp8_matmul(xq, torch.ones(0), wq, torch.ones(32), backend=backend).shape == (0, 32)
+        y = pk.fp8_matmul(torch.zeros(3, 0, dtype=FP8), torch.ones(3), torch.zeros(5, 0, dtype=FP8),
+                          torch.ones(5), backend=backend)  # fmt: skip
+        assert torch.equal(y, torch.zeros(3, 5, dtype=BF16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_matmul_bad_calls_change_nothing(backend):
+    xq = torch.zeros(4, 64, dtype=FP8)
+    wq = torch.zeros(32, 64, dtype=FP8)
+    xs, ws = torch.ones(4, 1), torch.ones(1, 32)
+    out = torch.full((4, 32), 7.0, dtype=BF16)
+    bad = [
+        (dict(xq=xq.float()), "xq must be one of float8_e4m3fn"),
+        (dict(wq=wq.to(BF16)), "wq must be one of float8_e4m3fn"),
+        (dict(wq=torch.zeros(32, 48, dtype=FP8)), "share the inner dimension"),
+        (dict(x_scale=torch.ones(3, 1)), "x_scale must hold one float32 scale per row of xq"),
+        (dict(w_scale=torch.ones(32, 2)), "w_scale must hold one float32 scale per row of wq"),
+        (dict(w_scale=torch.ones(32, dtype=torch.float64)), "w_scale must be one of float32"),
+        (dict(out_dtype=torch.int8), "out_dtype must be"),
+        (dict(out=torch.empty(4, 31, dtype=BF16)), "out must be a torch.bfloat16 tensor"),
+        (dict(out=torch.empty(32, 4, dtype=BF16).T), "contiguous rows"),
+    ]
+    for change, message in bad:
+        args = dict(xq=xq, x_scale=xs, wq=wq, w_scale=ws, out=out) | change
+        with pytest.raises(ValueError, match=message):
+            pk.fp8_matmul(args["xq"], args["x_scale"], args["wq"], args["w_scale"],
+                          out=args["out"], out_dtype=args.get("out_dtype", BF16),
+                          backend=backend)  # fmt: skip
+        assert torch.equal(out, torch.full((4, 32), 7.0, dtype=BF16))
