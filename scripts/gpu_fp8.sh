@@ -21,6 +21,9 @@
 #     --kv-cache-dtype fp8 --quantization fp8 on the same requests (BASELINES_FP8=1: with the
 #     baselines too)      -> throughput_llama3_8b_sharegpt_real.json, ..._real_fp8.json
 #     (`..._sharegpt_like*.json` without the file)
+#   bash scripts/gpu_fp8.sh fp8swap            # ~2 min, carrying .gpu_data
+#     the fp8 run with PAGEDKV_FP8_MATMUL_MAX_ROWS=${SWAP_ROWS:-64}: pagedattn_kernels.fp8_matmul
+#     for the decode batches' matmuls            -> ..._real_fp8_swap.json
 #   bash scripts/gpu_fp8.sh diagnose           # ~8 min
 #     scripts/prefill_variants.py --gap (the prefill kernel's remaining gap to a minimal TMA
 #     kernel) and scripts/decode_fp8_variants.py (why decode on an fp8 cache stays at ~46% of
@@ -127,6 +130,12 @@ for part in "${parts[@]}"; do
       [[ "${BASELINES_FP8:-0}" == 1 ]] && fp8_baselines=("${baselines[@]}")
       throughput _fp8 --kv-cache-dtype fp8 --quantization fp8 "${fp8_baselines[@]}"
       ;;
+    fp8swap)
+      # The fp8 run again with pagedattn_kernels.fp8_matmul taking the matmuls of up to
+      # SWAP_ROWS rows (the decode batches) instead of torch._scaled_mm.
+      PAGEDKV_FP8_MATMUL_MAX_ROWS="${SWAP_ROWS:-64}" \
+        throughput _fp8_swap --kv-cache-dtype fp8 --quantization fp8
+      ;;
     accuracy)
       if [[ "$SMOKE" == 1 ]]; then
         acc=(--device cpu --num-prompts 2 --max-tokens 4 --kv-cache-gb 0.05
@@ -165,6 +174,6 @@ for part in "${parts[@]}"; do
       echo "    exit $?"
       grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
       ;;
-    *) echo "unknown part $part (tests, kernels, bf16, fp8, accuracy, diagnose, weightonly)" ;;
+    *) echo "unknown part $part (tests, kernels, bf16, fp8, fp8swap, accuracy, diagnose, weightonly)" ;;
   esac
 done
