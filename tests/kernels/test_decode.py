@@ -137,6 +137,36 @@ def test_torch_decode_rows_do_not_depend_on_the_batch(seed):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("hint", ["exact", "bound"])
+def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch):
+    """Flash-decoding splits each sequence by its own length (``_split_length``), so
+    sequences shorter than the longest, or than the ``max_seq_len`` hint (a CUDA graph's
+    ``max_model_len``), still spread over the programs, and a sequence may use fewer splits
+    than the grid has (520 tokens over 4 splits of 192). The merge must read exactly the
+    splits that wrote: the scratch memory is poisoned with NaN, so one partial too many shows."""
+    if target.backend != "triton":
+        pytest.skip("a Triton launch option")
+    from pagedattn_kernels.attention import triton_launch
+
+    real = triton_launch._scratch
+    monkeypatch.setattr(triton_launch, "_scratch",
+                        lambda n, device: real(n, device).fill_(float("nan")))  # fmt: skip
+    gen = target.generator(seed)
+    lens = [520, 130, 1000, 0, 17, 300] + ([4099, 9000] if target.full else [])
+    batch = random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=F32, device=target.device,
+    )  # fmt: skip
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    ref = reference.paged_decode_attention(*args)
+    bound = max(lens) if hint == "exact" else 4 * max(lens)
+    for splits in (None, 2, 4, 7):
+        out = triton_launch.paged_decode_attention(
+            *args, 64**-0.5, bound, poisoned_like(batch.query), num_splits=splits,
+        )  # fmt: skip
+        _check(out, ref, F32, seed, f"hint {hint}, num_splits={splits}")
+
+
 @pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3)], ids=attention_case_id)
 def test_decode_with_early_v_loads(target, seed, case):
     """The decode kernel with ``DecodeConfig(early_v=True)`` (each V tile loaded with its K

@@ -23,7 +23,8 @@ def _operands(gen: torch.Generator, m: int, n: int, k: int, device: str):
     """Rows of different magnitudes and a weight whose channels differ in scale, quantized
     as the engine quantizes them."""
     x = torch.randn(m, k, generator=gen, device=device)
-    x = x * torch.exp(2 * torch.randn(m, 1, generator=gen, device=device))
+    # (row scales e^N(0,1): the products stay far inside float16's range, 65,504)
+    x = x * torch.exp(torch.randn(m, 1, generator=gen, device=device))
     w = torch.randn(n, k, generator=gen, device=device) * k**-0.5
     w[::7] *= 30.0
     xq, xs = pk.quantize_fp8_per_token(x, backend="torch")

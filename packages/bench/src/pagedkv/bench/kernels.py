@@ -463,6 +463,43 @@ def _sweep_decode(
     return rows
 
 
+def _sweep_decode_mixed(setup: Setup, copy_bw: float, gen: torch.Generator,
+                        deadline: float) -> list[dict]:  # fmt: skip
+    """Small decode batches of mixed lengths (300-1,500 tokens, as in ShareGPT-like serving)
+    with the longest length as the hint, and with a bound of 2,048 as a CUDA graph passes it
+    (``max_model_len``): each sequence splits by its own length, so the bound should cost
+    little (before, a graph at 16 sequences ran each ~900-token sequence in one program per
+    KV head: 58% of the copy bandwidth in a Llama-3-8B decode step on an H200)."""
+    to = _tuning()
+    rows: list[dict] = []
+    for batch in (4, 16, 32):
+        lens_host = torch.randint(300, 1501, (batch,), generator=torch.Generator().manual_seed(batch))
+        kc, vc, tables = _paged(setup, batch, 2048, gen)
+        lens = lens_host.to(device=setup.device, dtype=torch.int32)
+        q = torch.randn(batch, setup.heads, setup.head_dim, generator=gen, device=setup.device)
+        q = q.to(setup.dtype)
+        out = torch.empty_like(q)
+        kv_bytes = 2 * int(lens_host.sum()) * setup.kv_heads * setup.head_dim * q.element_size()
+        for hint in (int(lens_host.max()), 2048):
+            if time.monotonic() > deadline:
+                return rows
+
+            def run(hint=hint, q=q, kc=kc, vc=vc, tables=tables, lens=lens,
+                    out=out) -> torch.Tensor:  # fmt: skip
+                return to.paged_decode_attention(q, kc, vc, tables, lens, setup.head_dim**-0.5,
+                                                 hint, out)  # fmt: skip
+
+            row = {"batch": batch, "mean_len": float(lens_host.float().mean()),
+                   "max_len": int(lens_host.max()), "hint": hint}  # fmt: skip
+            rows.append(row)
+            if time_tile(run, setup.device, row, kv_bytes, copy_bw):
+                print(f"sweep decode mixed B={batch} mean {row['mean_len']:.0f} hint {hint}: "
+                      f"{row['us']:.1f} us {100 * row['bw_frac']:.1f}%"
+                      + (f" | graph {100 * row['graph_bw_frac']:.1f}%" if "graph_us" in row
+                         else ""), flush=True)  # fmt: skip
+    return rows
+
+
 def _sweep_prefill(setup: Setup, tokens: int, configs: list, gen: torch.Generator,
                    deadline: float) -> list[dict]:  # fmt: skip
     to = _tuning()
@@ -512,6 +549,7 @@ def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) 
     ):
         decode += _sweep_decode(setup, batch, context, splits_list, decode_cfgs, copy_bw, gen,
                                 deadline)  # fmt: skip
+    decode_mixed = _sweep_decode_mixed(setup, copy_bw, gen, deadline)
     qpk = setup.heads // setup.kv_heads
     prefill_cfgs = [
         to.prefill_config(setup.head_dim, setup.dtype, qpk),
@@ -529,7 +567,7 @@ def sweeps(setup: Setup, copy_bw: float, gen: torch.Generator, deadline: float) 
     fastest = sorted((r for r in prefill if "tflops" in r), key=lambda r: -r["tflops"])[:3]
     prefill += _sweep_prefill(setup, 16384, [to.PrefillConfig(**r["config"]) for r in fastest],
                               gen, deadline)
-    return {"decode": decode, "prefill": prefill}
+    return {"decode": decode, "decode_mixed": decode_mixed, "prefill": prefill}
 
 
 # --------------------------------------------------------------------------- fused elementwise ops

@@ -278,6 +278,19 @@ def _query_as_float16(q, scale_log2):
     return (qf * down).to(tl.float16), scale_log2 * up
 
 
+@triton.jit
+def _split_length(seq_len, num_splits, min_partition, TILE_N: tl.constexpr):
+    """Keys per program when a sequence of ``seq_len`` is split over ``num_splits`` programs
+    (flash-decoding): its own length divided evenly, rounded up to whole tiles, at least
+    ``min_partition``. Per sequence, not one partition of the longest: in a batch of mixed
+    lengths (and in CUDA graphs, whose grid is sized for ``max_model_len``) a short sequence
+    still spreads over the programs, instead of one program doing all of it while the others
+    exit. The decode kernel and its merge compute it alike."""
+    per = (seq_len + num_splits - 1) // num_splits
+    per = (per + TILE_N - 1) // TILE_N * TILE_N
+    return tl.maximum(per, min_partition)
+
+
 # per-batch metadata: never specialized on (see the module docstring); the fp8 scales are
 # per-layer tensors whose addresses may or may not be 16-byte aligned
 _BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr", "v_scale_ptr"]
@@ -331,7 +344,8 @@ def decode_kernel(
     """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
 
     Program (seq, kv head, split) attends the group's query heads (rows of a BLOCK_G x D tile)
-    over context positions [split * partition_size, min(+partition_size, seq_len)).
+    over context positions [split * P, min(+P, seq_len)), P = ``_split_length(seq_len,
+    num_splits, partition_size, TILE_N)``: ``partition_size`` is the smallest P.
     SPLIT=False (one split): writes the normalised output directly.
     SPLIT=True: writes the partial output and its log2-sum-exp for ``decode_reduce_kernel``.
     A sequence of length 0 (batch padding) gets zeros.
@@ -344,11 +358,15 @@ def decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition_size
-    if SPLIT:  # noqa: SIM102 (a constexpr test and a runtime one stay apart)
+    if SPLIT:
+        part = _split_length(seq_len, tl.num_programs(2), partition_size, TILE_N)
+        start = split * part
         if start >= seq_len:
             return
-    end = tl.minimum(start + partition_size, seq_len)
+        end = tl.minimum(start + part, seq_len)
+    else:
+        start = 0
+        end = seq_len
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -433,16 +451,19 @@ def decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
 ):
     """Flash-decoding, phase two. Grid: (num_seqs, num_heads).
 
-    Merges the partial outputs of the splits that hold keys (ceil(seq_len / partition_size)
-    of them), weighting each by exp2(lse - max lse).
+    Merges the partial outputs of the splits that hold keys (ceil(seq_len / P) of them, P as
+    ``decode_kernel`` computed it from ``partition_size`` and its TILE_N), weighting each by
+    exp2(lse - max lse).
     """
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_valid = tl.minimum((seq_len + partition_size - 1) // partition_size, num_splits)
+    part = _split_length(seq_len, num_splits, partition_size, TILE_N)
+    num_valid = tl.minimum((seq_len + part - 1) // part, num_splits)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = s < num_valid

@@ -126,7 +126,8 @@ def choose_num_splits(
 
 
 def _partition(max_seq_len: int, num_splits: int, tile_n: int) -> tuple[int, int]:
-    """Partition size (a multiple of tile_n) and the split count it really gives."""
+    """The longest sequence's partition (a multiple of tile_n) and the split count it really
+    gives: the grid's. (Each sequence divides its own length, ``_split_length``.)"""
     size = -(-max(max_seq_len, 1) // num_splits)
     size = -(-size // tile_n) * tile_n
     return size, -(-max(max_seq_len, 1) // size)
@@ -142,6 +143,13 @@ def _needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
         if t.numel() and span >= 2**31 - 1:
             return True
     return False
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor:
+    """float32 working memory of the flash-decoding split (partial outputs and their
+    log-sum-exps), left uninitialised: the merge reads only what the splits wrote (the tests
+    poison it with NaN to check that)."""
+    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def _word_aligned(cache: torch.Tensor) -> bool:
@@ -189,11 +197,16 @@ def paged_decode_attention(
     dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    # The smallest share of a split sequence: MIN_PARTITION for the automatic split count,
+    # one tile when the caller asks for a count (tests split short contexts on purpose).
+    floor = cfg.tile_n
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, bound, sm_count(query.device), cfg.per_sm
         )
-    partition, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
+        floor = -(-MIN_PARTITION // cfg.tile_n) * cfg.tile_n
+    _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
+    partition = floor
     upcast = _upcast(kernels.decode_kernel, query.dtype)
     packed = 0
     if cfg.packed_loads and fp8 and _word_aligned(key_cache) and _word_aligned(value_cache):
@@ -201,7 +214,7 @@ def paged_decode_attention(
     split = num_splits > 1
     if split:  # one allocation for both partial buffers (host time matters at small sizes)
         rows = num_seqs * num_heads * num_splits
-        work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=query.device)
+        work = _scratch(rows * (head_dim + 1), query.device)
         part_out = work[: rows * head_dim].view(num_seqs, num_heads, num_splits, head_dim)
         part_lse = work[rows * head_dim :].view(num_seqs, num_heads, num_splits)
     else:
@@ -231,7 +244,7 @@ def paged_decode_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
-            SPLITS_PAD=max(2, next_power_of_2(num_splits)), num_warps=4,
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, num_warps=4,
         )  # fmt: skip
     return out
 
