@@ -74,6 +74,8 @@ import triton
 import triton.language as tl
 from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, write_result
 
+from pagedattn_kernels.attention.triton_kernels import _e4m3_words_to_f16
+
 log = logging.getLogger("decode_fp8_variants")
 
 BF16, CVT, BITS_F16, FP8_MMA, CVT_F16, FMA, PACKED_BITS, PACKED_ASM = range(8)
@@ -116,27 +118,22 @@ def _unpack(w, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
     """A [TILE_N, HEAD_DIM] float16 tile from the [TILE_N, HEAD_DIM // 4] int32 words that
     hold its e4m3 bytes (byte j of word i is element 4 i + j, little-endian).
 
-    PACKED_BITS: integer shifts on whole words, two bytes at a time (each fp16 value is the
-    e4m3 value times 2^-8, folded into the scales as in ``bits_f16``). PACKED_ASM: the
-    hardware's packed conversion, two e4m3 per ``cvt.rn.f16x2.e4m3x2`` (sm_89+; no
-    interpreter). Either way the bytes reach registers as words, never one by one."""
+    PACKED_ASM: the shipped kernel's helper (``_e4m3_words_to_f16``: the hardware's packed
+    conversion, two e4m3 per ``cvt.rn.f16x2.e4m3x2``; sm_89+, no interpreter). PACKED_BITS:
+    integer shifts on whole words, two bytes at a time (each fp16 value is the e4m3 value
+    times 2^-8, folded into the scales as in ``bits_f16``). Either way the bytes reach
+    registers as words, never one by one."""
     if MODE == 7:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            asm="{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
-                "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-                "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            constraints="=h,=h,=h,=h,r", args=[w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
-        )  # fmt: skip
+        t = _e4m3_words_to_f16(w, True)
     else:
         u = w.to(tl.uint32, bitcast=True)
         even = ((u & 0x007F007F) << 7) | ((u & 0x00800080) << 8)  # bytes 0 and 2
         odd = (((u >> 8) & 0x007F007F) << 7) | (((u >> 8) & 0x00800080) << 8)  # bytes 1, 3
         b0, b2 = _halves(even)
         b1, b3 = _halves(odd)
-    # join(join(b0, b2), join(b1, b3))[i, k, j] is byte 2 k + j of word i
-    t = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-    return tl.reshape(t, [w.shape[0], HEAD_DIM])
+        # join(join(b0, b2), join(b1, b3))[i, k, j] is byte 2 k + j of word i
+        t = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [w.shape[0], HEAD_DIM])
+    return t
 
 
 @triton.jit
