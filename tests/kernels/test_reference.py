@@ -63,6 +63,13 @@ def test_split_choice():
     # 16 sequences: 2 splits; enough (sequence, KV head) pairs to fill the GPU: no split.
     assert choose_num_splits(16, 8, 4096, 132) == 2
     assert choose_num_splits(64, 8, 4096, 132) == 1
+    # 48 or 40 sequences: 384 or 320 pairs fill 1.45 or 1.2 waves of 264 slots; 2 splits
+    # fill 2.9 or 2.4 (the fullest last waves within two waves' worth of programs).
+    assert choose_num_splits(48, 8, 2048, 132) == 2
+    assert choose_num_splits(40, 8, 2048, 132) == 2
+    # Two full waves of pairs or more: no split.
+    assert choose_num_splits(66, 8, 2048, 132) == 1
+    assert choose_num_splits(100, 8, 2048, 132) == 1
     # Short contexts are never split below 256 tokens.
     assert choose_num_splits(1, 1, 600, 132) == 3
     assert choose_num_splits(4, 8, 256, 132) == 1
