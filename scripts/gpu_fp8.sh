@@ -21,6 +21,9 @@
 #     --kv-cache-dtype fp8 --quantization fp8 on the same requests (BASELINES_FP8=1: with the
 #     baselines too)      -> throughput_llama3_8b_sharegpt_real.json, ..._real_fp8.json
 #     (`..._sharegpt_like*.json` without the file)
+#   bash scripts/gpu_fp8.sh profile            # ~3 min
+#     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
+#     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
 #   bash scripts/gpu_fp8.sh fp8swap            # ~2 min, carrying .gpu_data
 #     the fp8 run with PAGEDKV_FP8_MATMUL_MAX_ROWS=${SWAP_ROWS:-64}: pagedattn_kernels.fp8_matmul
 #     for the decode batches' matmuls            -> ..._real_fp8_swap.json
@@ -130,6 +133,20 @@ for part in "${parts[@]}"; do
       [[ "${BASELINES_FP8:-0}" == 1 ]] && fp8_baselines=("${baselines[@]}")
       throughput _fp8 --kv-cache-dtype fp8 --quantization fp8 "${fp8_baselines[@]}"
       ;;
+    profile)
+      # A decode step by kernel family at small and mid batches, bf16 then fp8 weights and
+      # cache (the attention's share before and after the per-sequence flash-decoding split)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== profile: needs a GPU (skipped in a smoke run)"; continue; fi
+      for kind in bf16 fp8; do
+        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+        echo "=== decode step profile ($kind)"
+        timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes 16,48 --context 900 \
+          --steps 16 --warmup-steps 4 --profile-steps 4 "${model[@]}" "${extra[@]}" \
+          --output-json "$OUT/decode_profile_${kind}.json" > "$OUT/decode_profile_${kind}.log" 2>&1
+        echo "    exit $?"
+        grep -E "batch|GPU time|gemm |other |decode_kernel|decode_reduce" "$OUT/decode_profile_${kind}.log" | head -24
+      done
+      ;;
     fp8swap)
       # The fp8 run again with pagedattn_kernels.fp8_matmul taking the matmuls of up to
       # SWAP_ROWS rows (the decode batches) instead of torch._scaled_mm.
@@ -174,6 +191,6 @@ for part in "${parts[@]}"; do
       echo "    exit $?"
       grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
       ;;
-    *) echo "unknown part $part (tests, kernels, bf16, fp8, fp8swap, accuracy, diagnose, weightonly)" ;;
+    *) echo "unknown part $part (tests, kernels, bf16, fp8, fp8swap, profile, accuracy, diagnose, weightonly)" ;;
   esac
 done
