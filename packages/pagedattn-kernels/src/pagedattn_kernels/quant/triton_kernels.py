@@ -110,7 +110,9 @@ def quantize_fp8_per_token_kernel(
         tl.store(o_row + start + c, _e4m3(y, E4M3), mask=mask)
 
 
-@triton.jit
+# The row count and what follows from it change with every decode batch: never specialized
+# on (a serving run would stall to compile a variant at each first "1" or multiple of 16).
+@triton.jit(do_not_specialize=["M"])
 def fp8_matmul_kernel(
     y_ptr,
     part_ptr,
@@ -181,7 +183,7 @@ def fp8_matmul_kernel(
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "splits"])
 def fp8_matmul_reduce_kernel(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, numel, N, splits,
                              stride_ym, BLOCK: tl.constexpr):  # fmt: skip
     """``y[m, n] = (sum over splits of part[s, m, n]) * w_scale[n] * x_scale[m]``, the splits
