@@ -83,8 +83,9 @@ class _Warmup:
 
 def sass_counts(sass: str) -> dict[str, int]:
     """How often each of ``SASS_OPS`` occurs in a cuobjdump -sass listing (static counts:
-    an instruction inside the key loop counts once), and ``loop``: the instructions of the
-    longest loop (from a backward branch's target to the branch), the work per tile."""
+    an instruction inside the key loop counts once), ``instrs``: all of them, and ``loop``: the
+    instructions of the longest loop (from a backward branch's target to the branch), the work
+    per tile."""
     counts: dict[str, int] = {}
     addrs, loops = [], []
     pattern = r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)([^;]*)"
@@ -100,6 +101,7 @@ def sass_counts(sass: str) -> dict[str, int]:
             if width:
                 counts[op + width] = counts.get(op + width, 0) + 1
     out = {k: counts[k] for k in SASS_OPS if counts.get(k)}
+    out["instrs"] = len(addrs)
     if loops:
         lo, hi = max(loops, key=lambda span: span[1] - span[0])
         out["loop"] = sum(lo <= a <= hi for a in addrs)
