@@ -55,7 +55,7 @@ import triton.language as tl
 from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, write_result
 
 import pagedattn_kernels
-from pagedattn_kernels.quant.triton_launch import Fp8MatmulConfig
+from pagedattn_kernels.quant.triton_launch import Fp8MatmulConfig, auto_split
 from pagedkv.engine.models.quantization import Fp8Rows, fp8_linear, quantize_weight
 
 log = logging.getLogger("fp8_weight_only_gemm")
@@ -149,13 +149,6 @@ def block_m_for(m: int, kind: str) -> int:
         assert m <= 4, "the fma variant is for M <= 4"
         return triton.next_power_of_2(m)
     return min(64, max(16, triton.next_power_of_2(m)))  # tl.dot needs >= 16
-
-
-def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
-    """The split-K (a power of 2 up to max_split, >= 4 K steps per split) whose tiles * split
-    programs fill the SMs' waves best (one program per SM assumed); the smaller on a tie."""
-    splits = [s for s in (1, 2, 4, 8, 16) if k_iters >= 4 * s and s <= max_split] or [1]
-    return max(splits, key=lambda s: (tiles * s / (-(-tiles * s // sms) * sms), -s))
 
 
 def make_wo(x: torch.Tensor, scale: torch.Tensor, n: int, cfg: Config, sms: int):

@@ -19,6 +19,7 @@ instructions): the offline evidence behind the fp8 decode kernel's choices, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -40,6 +41,7 @@ from pagedattn_kernels.fused import triton_launch as fused
 from pagedattn_kernels.quant import triton_kernels as quant_kernels
 from pagedattn_kernels.quant import triton_launch as quant
 
+FUSED_KERNELS = ("rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel")
 # SASS opcodes (with their width suffix where it matters) that --sass counts.
 SASS_OPS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDS", "LDS.U8", "LDS.U16", "LDS.64", "LDS.128",
             "LDGSTS", "LDG", "STS", "F2FP", "F2F", "PRMT", "BAR", "SHFL", "MUFU", "STL", "LDL")  # fmt: skip
@@ -170,7 +172,8 @@ def main() -> None:
                     help="only this dtype")  # fmt: skip
     ap.add_argument("--head-dim", type=int, default=None, help="only this head dim")
     ap.add_argument("--fp8", action="store_true",
-                    help="only the attention kernels on fp8 caches (Llama-3-8B heads)")
+                    help="only the fp8 kernels: attention on fp8 caches (Llama-3-8B heads), "
+                         "the e4m3 writers and the fp8 matmul")  # fmt: skip
     ap.add_argument("--sass", action="store_true", help="count SASS instructions (SASS_OPS)")
     args = ap.parse_args()
     global WANT_SASS
@@ -184,8 +187,7 @@ def main() -> None:
     attention.kernels_for = lambda device, module: attention_proxy
     cache_proxy = _proxy(cache_kernels, ("reshape_and_cache_kernel", "copy_blocks_kernel"))
     cache.kernels_for = lambda device, module: cache_proxy
-    fused_proxy = _proxy(fused_kernels, ("rms_norm_kernel", "silu_and_mul_kernel",
-                                         "rotary_kernel"))  # fmt: skip
+    fused_proxy = _proxy(fused_kernels, FUSED_KERNELS)
     fused.kernels_for = lambda device, module: fused_proxy
     quant_proxy = _proxy(quant_kernels, ("quantize_fp8_per_token_kernel", "fp8_matmul_kernel",
                                          "fp8_matmul_reduce_kernel"))  # fmt: skip
@@ -238,8 +240,10 @@ def main() -> None:
 
 
 def _fp8_variants() -> None:
-    """Decode (the configuration the launcher picks, with float16 and with bfloat16 products)
-    and prefill on fp8 caches: 8 KV heads of 128, 4 query heads each."""
+    """The fp8 kernels at Llama-3-8B's shapes (8 KV heads of 128, 4 query heads each): decode
+    on fp8 caches (the launcher's tiles with float16 and with bfloat16 products, packed
+    loads at three tiles), prefill, the e4m3 writers (cache write, per-token quantization,
+    the fused norm and SiLU) and the fp8 matmul at decode batch sizes."""
     hkv, group, head_dim = 8, 4, 128
     kc = torch.empty(64, 16, hkv, head_dim, dtype=torch.float8_e4m3fn)
     bt = torch.zeros(2, 32, dtype=torch.int32)
@@ -255,8 +259,8 @@ def _fp8_variants() -> None:
             options.append((False, False, None))
         for f16, packed, shape in options:
             tile_n, warps, stages = shape or (base.tile_n, base.num_warps, base.num_stages)
-            cfg = attention.DecodeConfig(tile_n, warps, stages, base.per_sm, base.early_v, f16,
-                                         packed)  # fmt: skip
+            cfg = dataclasses.replace(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
+                                      f16_products=f16, packed_loads=packed)  # fmt: skip
             attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
                                              num_splits=1, config=cfg, k_scale=unit,
                                              v_scale=unit)  # fmt: skip
@@ -301,8 +305,7 @@ def _report() -> None:
     ]  # fmt: skip
     if bad:
         print(f"{len(bad)} variants spill to local memory", file=sys.stderr)
-    fused_names = ("rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel")
-    approx = [r for r in RESULTS if r[0] in fused_names and r[2].get("div_full")]
+    approx = [r for r in RESULTS if r[0] in FUSED_KERNELS and r[2].get("div_full")]
     if approx:
         print(f"{len(approx)} fused-op variants use approximate division", file=sys.stderr)
 

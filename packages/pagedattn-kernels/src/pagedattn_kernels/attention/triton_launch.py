@@ -208,16 +208,16 @@ def paged_decode_attention(
     dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-    # The smallest share of a split sequence: MIN_PARTITION for the automatic split count,
-    # one tile when the caller asks for a count (tests split short contexts on purpose).
-    floor = cfg.tile_n
+    # The smallest share of a split sequence (the kernel's partition_size): MIN_PARTITION for
+    # the automatic split count, one tile when the caller asks for a count (tests split short
+    # contexts on purpose). Unused without a split.
+    min_partition = cfg.tile_n
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, bound, sm_count(query.device), cfg.per_sm
         )
-        floor = -(-MIN_PARTITION // cfg.tile_n) * cfg.tile_n
+        min_partition = -(-MIN_PARTITION // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
-    partition = floor
     upcast = _upcast(kernels.decode_kernel, query.dtype)
     packed = 0
     if cfg.packed_loads and fp8 and _word_aligned(key_cache) and _word_aligned(value_cache):
@@ -230,11 +230,10 @@ def paged_decode_attention(
         part_lse = work[rows * head_dim :].view(num_seqs, num_heads, num_splits)
     else:
         part_out = part_lse = out  # unused by the kernel
-        partition = 1 << 30  # one program covers any context
     kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
         scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
-        scale * 1.4426950408889634, partition,
+        scale * 1.4426950408889634, min_partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -250,7 +249,7 @@ def paged_decode_attention(
     )  # fmt: skip
     if split:
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, partition, num_splits,
+            out, part_out, part_lse, seq_lens, min_partition, num_splits,
             out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
