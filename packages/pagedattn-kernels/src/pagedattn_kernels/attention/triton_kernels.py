@@ -135,7 +135,6 @@ def _attend_tile(
     OFFS64: tl.constexpr,
     EARLY_V: tl.constexpr,
     PACKED: tl.constexpr = 0,
-    SCALE_FIRST: tl.constexpr = False,
 ):
     """Online-softmax update with one tile of TILE_N keys starting at context position ``start``.
 
@@ -169,13 +168,6 @@ def _attend_tile(
     (prefill: on an H200 a kernel that loads V after the softmax ran at 445 TFLOP/s against
     514 at 4k tokens, ``scripts/prefill_variants.py --gap``); else after the softmax, when
     the scores' registers are free again.
-    SCALE_FIRST: round each scaled score before the row max and the exponent, one multiply
-    and one subtraction per score. Otherwise the scale folds into one FMA per score (as in
-    FlashAttention), whose unrounded product can exceed the rounded row max by half an ulp of
-    the score: harmless at real magnitudes, but beyond about 2^24 in log2 units exp2 of that
-    excess is inf (NaN out) or 0 (a zero row). On an H200 queries of 1e30 against fp8 keys
-    gave both. Decode is memory-bound and pays nothing for it; the fp8 prefill kernel (bounded
-    by its conversions) takes it too, the 16-bit prefill keeps the FMA.
     """
     pos = start + tl.arange(0, TILE_N)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -230,14 +222,9 @@ def _attend_tile(
         if CAUSAL:
             keep = keep & (pos[None, :] <= row_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
-    # m_i is kept in scaled (log2) units.
-    if SCALE_FIRST:
-        s = s * scale_log2
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        p = tl.exp2(s - m_new[:, None])
-    else:  # the scale folds into one FMA per score
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
-        p = tl.exp2(s * scale_log2 - m_new[:, None])
+    # m_i is kept in scaled (log2) units; the scale folds into one FMA per score.
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
 
@@ -413,7 +400,7 @@ def decode_kernel(
             tile_start, end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, EARLY_V, packed, True,
+            0, OFFS64, EARLY_V, packed,
         )  # fmt: skip
     if full_end < end:
         m_i, l_i, acc = _attend_tile(
@@ -421,7 +408,7 @@ def decode_kernel(
             full_end, end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, EARLY_V, packed, True,
+            0, OFFS64, EARLY_V, packed,
         )  # fmt: skip
 
     store_mask = g_mask[:, None] & d_mask[None, :]
@@ -637,7 +624,7 @@ def prefill_kernel(
             tile_start, cache_end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, True, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, True, 0, KV_FP8,
+            0, OFFS64, True,
         )  # fmt: skip
     for tile_start in range(free_end, cache_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
@@ -645,7 +632,7 @@ def prefill_kernel(
             tile_start, cache_end, row_pos, scale_log2,
             stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, True, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, True, 0, KV_FP8,
+            0, OFFS64, True,
         )  # fmt: skip
     if NEW_KV:
         # Position p of the chunk's own keys is row q_start + p - context of k_new / v_new.
@@ -663,7 +650,7 @@ def prefill_kernel(
                 tile_start, kv_end, row_pos, scale_log2,
                 0, stride_kn_tok, 0, stride_vn_tok,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, True, IEEE, UPCAST, False,
-                NEW_KV, OFFS64, True, 0, KV_FP8,
+                NEW_KV, OFFS64, True,
             )  # fmt: skip
         for tile_start in range(own_free, kv_end, TILE_N):
             m_i, l_i, acc = _attend_tile(
@@ -671,7 +658,7 @@ def prefill_kernel(
                 tile_start, kv_end, row_pos, scale_log2,
                 0, stride_kn_tok, 0, stride_vn_tok,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, True, IEEE, UPCAST, False,
-                NEW_KV, OFFS64, True, 0, KV_FP8,
+                NEW_KV, OFFS64, True,
             )  # fmt: skip
 
     if KV_FP8:
