@@ -222,7 +222,11 @@ def _attend_tile(
         if CAUSAL:
             keep = keep & (pos[None, :] <= row_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
-    # m_i is kept in scaled (log2) units; the scale folds into one FMA per score.
+    # m_i is kept in scaled (log2) units; the scale folds into one FMA per score. Its
+    # unrounded product may exceed the rounded row max by half an ulp of the score: nothing
+    # for real scores, but past about 2^24 (log2 units) exp2 of that is inf or 0. On an H200,
+    # queries of 1e30 against fp8 keys gave NaN and zero rows; rounding the scaled scores
+    # first did not help, as the compiler contracts the multiply and the subtraction anyway.
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
