@@ -210,32 +210,6 @@ def check_unit_stride(op: str, **tensors: torch.Tensor) -> None:
             raise fail(op, f"{name} needs stride 1 in its last dim (got {t.stride(-1)})")
 
 
-def key_major_values(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
-    dtype: torch.dtype, device: torch.device | str,
-) -> torch.Tensor:  # fmt: skip
-    """A zeroed value cache whose blocks hold ``[num_kv_heads, head_dim, block_size]``, the
-    keys of each value component next to each other (vLLM's first value-cache layout), seen as
-    the usual ``[num_blocks, block_size, num_kv_heads, head_dim]``: every op takes it and
-    reads the same values; only the strides differ.
-
-    Why: P.V multiplies along the keys. A tensor-core operand wants its reduction dim
-    contiguous; a 16-bit value tile stored head-dim-contiguous gets there through ldmatrix's
-    transposing load, but sm_90 has none for bytes, so an fp8 value tile was read back from
-    shared memory one byte per instruction (``tools/compile_sm90.py --fp8 --sass``). Key-major,
-    the value tile is read as the key tile is."""
-    return torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
-                       device=device).permute(0, 3, 1, 2)  # fmt: skip
-
-
-def check_value_stride(op: str, value_cache: torch.Tensor) -> None:
-    """The Triton kernels address a value cache with stride 1 on its head dim, or on its
-    token dim (``key_major_values``)."""
-    if value_cache.stride(-1) != 1 and value_cache.stride(1) != 1:
-        raise fail(op, "value_cache needs stride 1 in its head dim or its token dim "
-                       f"(got strides {tuple(value_cache.stride())})")  # fmt: skip
-
-
 def check_kv_scales(
     op: str, key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> None:

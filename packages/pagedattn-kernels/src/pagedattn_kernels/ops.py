@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from pagedattn_kernels.attention.ops import paged_attention, paged_decode_attention
 from pagedattn_kernels.cache.ops import copy_blocks, reshape_and_cache, swap_blocks, swap_stream
-from pagedattn_kernels.common import BACKENDS, FP8_DTYPE, FP8_MAX, key_major_values, resolve_backend
+from pagedattn_kernels.common import BACKENDS, FP8_DTYPE, FP8_MAX, resolve_backend
 from pagedattn_kernels.fused.ops import (
     MAX_HIDDEN,
     fused_add_rms_norm,
@@ -64,8 +64,6 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     # fp8 (common): the cache dtype of an fp8 KV cache and its largest magnitude
     "FP8_DTYPE",
     "FP8_MAX",
-    # cache layout (common): a value cache stored key-major, for fp8 caches
-    "key_major_values",
     # backend choice (common)
     "BACKENDS",
     "resolve_backend",

@@ -5,8 +5,7 @@
   of the copy bandwidth, and its speed against the same kernel on the 16-bit cache holding the
   same values (``vs_16bit``, events and CUDA-graph replay, which is how the engine decodes);
   ``rel_err_vs_16bit``: its output against the 16-bit kernel's on those values (the kernels
-  dequantize exactly, so only rounding differs). ``*_key_major_v``: the same with the values
-  stored key-major (``pagedattn_kernels.key_major_values``).
+  dequantize exactly, so only rounding differs).
 - ``prefill_fp8``: the prefill kernel on an fp8 cache, TFLOP/s against the 16-bit kernel and
   against SDPA (the SDPA time of the same run's ``prefill`` row).
 - ``gemm``: the linear layers of one Llama-3-8B decoder layer (Q/K/V 6144x4096, output
@@ -51,7 +50,7 @@ LLAMA3_8B_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 
                      ("down", 4096, 14336)]  # fmt: skip
 QUICK_LINEARS = [("qkv", 384, 256), ("o", 256, 256), ("gate_up", 1024, 256), ("down", 256, 512)]
 GEMM_TOKENS = [64, 256, 512, 1024]
-FP8_CONTEXTS = [512, 2048, 4096, 8192, 32768]
+FP8_CONTEXTS = [2048, 4096, 8192, 32768]
 
 
 def _unit(device: torch.device) -> torch.Tensor:
@@ -64,9 +63,8 @@ def bench_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator) -> list
     for batch in setup.batches:
         for context in contexts:
             kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim  # one byte each
-            # the fp8 cache, its key-major V copy, the 16-bit one (twice its bytes) and a
-            # 16-bit conversion scratch
-            if not _fits(setup, 5 * kv_bytes):
+            # the fp8 cache, the 16-bit one (twice its bytes) and a 16-bit conversion scratch
+            if not _fits(setup, 4 * kv_bytes):
                 rows.append({"batch": batch, "context": context, "skipped": "memory"})
                 continue
             row = decode_fp8_row(setup, batch, context, kv_bytes, copy_bw, gen)
@@ -75,9 +73,6 @@ def bench_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator) -> list
             if "graph_us" in row:
                 graph = (f" | graph {row['graph_us']:8.1f} us {100 * row['graph_bw_frac']:5.1f}%"
                          f" x{row.get('graph_vs_16bit', float('nan')):.2f}")
-            graph += f" | key-major V {100 * row['bw_frac_key_major_v']:5.1f}%"
-            if "graph_bw_frac_key_major_v" in row:
-                graph += f" graph {100 * row['graph_bw_frac_key_major_v']:5.1f}%"
             print(f"decode fp8 B={batch:<4d} ctx={context:<6d} {row['us']:9.1f} us "
                   f"{100 * row['bw_frac']:5.1f}% of copy  16-bit {row['us_16bit']:9.1f} us "
                   f"x{row['vs_16bit']:.2f} err {row['rel_err_vs_16bit']:.1e}{graph}", flush=True)
@@ -90,8 +85,6 @@ def decode_fp8_row(setup: Setup, batch: int, context: int, kv_bytes: int, copy_b
                    gen: torch.Generator) -> dict[str, Any]:  # fmt: skip
     kc16, vc16, tables = _paged(setup, batch, context, gen)
     kc8, vc8 = kc16.to(FP8), vc16.to(FP8)
-    vkm = pk.key_major_values(*vc8.shape, dtype=FP8, device=vc8.device)
-    vkm.copy_(vc8)
     # The 16-bit cache holds exactly the fp8 values: both kernels attend over the same numbers.
     kc16.copy_(kc8.to(setup.dtype))
     vc16.copy_(vc8.to(setup.dtype))
@@ -109,23 +102,14 @@ def decode_fp8_row(setup: Setup, batch: int, context: int, kv_bytes: int, copy_b
         return pk.paged_decode_attention(q, kc16, vc16, tables, lens, max_seq_len=context,
                                          out=out16)  # fmt: skip
 
-    def fp8_key_major() -> torch.Tensor:
-        return pk.paged_decode_attention(q, kc8, vkm, tables, lens, max_seq_len=context,
-                                         out=out_km, k_scale=scale, v_scale=scale)  # fmt: skip
-
-    out_km = torch.empty_like(q)
     fp8()
     b16()
-    fp8_key_major()
     err = rel_error(out8, out16.double())
     seconds, seconds16 = _time(fp8, setup.device), _time(b16, setup.device)
-    seconds_km = _time(fp8_key_major, setup.device)
     row: dict[str, Any] = {
         "batch": batch, "context": context, "us": seconds * 1e6,
         "GBps": kv_bytes / seconds / 1e9, "bw_frac": kv_bytes / seconds / copy_bw,
         "us_16bit": seconds16 * 1e6, "vs_16bit": seconds16 / seconds, "rel_err_vs_16bit": err,
-        "us_key_major_v": seconds_km * 1e6, "bw_frac_key_major_v": kv_bytes / seconds_km / copy_bw,
-        "rel_err_key_major_v": rel_error(out_km, out8.double()),
     }  # fmt: skip
     graph_s = _time_graph(fp8, setup.device)
     if graph_s is not None:
@@ -133,10 +117,6 @@ def decode_fp8_row(setup: Setup, batch: int, context: int, kv_bytes: int, copy_b
         graph16 = _time_graph(b16, setup.device)
         if graph16 is not None:
             row.update(graph_us_16bit=graph16 * 1e6, graph_vs_16bit=graph16 / graph_s)
-        graph_km = _time_graph(fp8_key_major, setup.device)
-        if graph_km is not None:
-            row.update(graph_us_key_major_v=graph_km * 1e6,
-                       graph_bw_frac_key_major_v=kv_bytes / graph_km / copy_bw)  # fmt: skip
     return row
 
 

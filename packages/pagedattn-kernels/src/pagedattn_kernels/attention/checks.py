@@ -24,7 +24,6 @@ from pagedattn_kernels.common import (
     check_index,
     check_same_device,
     check_unit_stride,
-    check_value_stride,
     fail,
 )
 
@@ -214,17 +213,22 @@ def check_triton_attention(
     out: torch.Tensor,
 ) -> None:  # fmt: skip
     """What only the Triton kernels need: head dims up to ``MAX_HEAD_DIM``, unit strides on
-    the head dim of the key cache and the output (the query is made contiguous if it is not),
-    and for fp8 caches a GPU that converts fp8 (see ``common.check_fp8_triton``). The value
-    cache may also be key-major, unit stride on its token dim (``key_major_values``)."""
+    the head dim of the caches and the output (the query is made contiguous if it is not), and
+    for fp8 caches a GPU that converts fp8 (see ``common.check_fp8_triton``)."""
     if key_cache.dtype == FP8_DTYPE:
         check_fp8_triton(op, key_cache.device)
+    if (
+        query.shape[2] <= MAX_HEAD_DIM
+        and key_cache.stride(-1) == 1
+        and value_cache.stride(-1) == 1
+        and out.stride(-1) == 1
+    ):
+        return
     if query.shape[2] > MAX_HEAD_DIM:
         raise fail(
             op, f"the Triton kernels take head dims up to {MAX_HEAD_DIM}; use backend='torch'"
         )
-    check_value_stride(op, value_cache)
-    check_unit_stride(op, key_cache=key_cache, out=out)
+    check_unit_stride(op, key_cache=key_cache, value_cache=value_cache, out=out)
 
 
 def check_new_kv(

@@ -122,7 +122,6 @@ def _attend_tile(
     stride_k_tok,
     stride_v_block,
     stride_v_tok,
-    stride_v_dim,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -195,7 +194,7 @@ def _attend_tile(
             tok_off = pos % BLOCK_SIZE
             k_off = blk * stride_k_block + tok_off * stride_k_tok + kv_head_off_k
             v_off = blk * stride_v_block + tok_off * stride_v_tok + kv_head_off_v
-        v_ptrs = v_src + v_off[:, None] + d[None, :] * stride_v_dim
+        v_ptrs = v_src + v_off[:, None] + d[None, :]
         if PACKED:
             k = _load_e4m3_words(k_src, k_off, in_range, HEAD_DIM, HEAD_DIM_PAD, MASKED,
                                  PACKED == 2)  # fmt: skip
@@ -325,7 +324,6 @@ def decode_kernel(
     stride_vc_block,
     stride_vc_tok,
     stride_vc_head,
-    stride_vc_dim,
     stride_bt_seq,
     stride_po_seq,
     stride_po_head,
@@ -404,7 +402,7 @@ def decode_kernel(
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             tile_start, end, row_pos, scale_log2,
-            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok, stride_vc_dim,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST, KV_FP8,
             0, OFFS64, EARLY_V, packed,
         )  # fmt: skip
@@ -412,7 +410,7 @@ def decode_kernel(
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             full_end, end, row_pos, scale_log2,
-            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok, stride_vc_dim,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST, KV_FP8,
             0, OFFS64, EARLY_V, packed,
         )  # fmt: skip
@@ -524,7 +522,6 @@ def prefill_kernel(
     stride_vc_block,
     stride_vc_tok,
     stride_vc_head,
-    stride_vc_dim,
     stride_bt_seq,
     stride_kn_tok,
     stride_kn_head,
@@ -629,7 +626,7 @@ def prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             tile_start, cache_end, row_pos, scale_log2,
-            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok, stride_vc_dim,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, True, IEEE, UPCAST, KV_FP8,
             0, OFFS64, True,
         )  # fmt: skip
@@ -637,7 +634,7 @@ def prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
             tile_start, cache_end, row_pos, scale_log2,
-            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok, stride_vc_dim,
+            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, True, IEEE, UPCAST, KV_FP8,
             0, OFFS64, True,
         )  # fmt: skip
@@ -655,7 +652,7 @@ def prefill_kernel(
             m_i, l_i, acc = _attend_tile(
                 m_i, l_i, acc, q, k_new, v_new, row_base, kn_off, vn_off,
                 tile_start, kv_end, row_pos, scale_log2,
-                0, stride_kn_tok, 0, stride_vn_tok, 1,
+                0, stride_kn_tok, 0, stride_vn_tok,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, True, IEEE, UPCAST, False,
                 NEW_KV, OFFS64, True,
             )  # fmt: skip
@@ -663,7 +660,7 @@ def prefill_kernel(
             m_i, l_i, acc = _attend_tile(
                 m_i, l_i, acc, q, k_new, v_new, row_base, kn_off, vn_off,
                 tile_start, kv_end, row_pos, scale_log2,
-                0, stride_kn_tok, 0, stride_vn_tok, 1,
+                0, stride_kn_tok, 0, stride_vn_tok,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, True, IEEE, UPCAST, False,
                 NEW_KV, OFFS64, True,
             )  # fmt: skip

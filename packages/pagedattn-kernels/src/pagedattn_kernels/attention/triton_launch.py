@@ -164,9 +164,9 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 
 
 def _word_aligned(cache: torch.Tensor) -> bool:
-    """Rows of ``cache`` can be read as 4-byte words: unit stride on the head dim; base,
-    strides and head dim (fp8: bytes) multiples of 4."""
-    return (cache.data_ptr() % 4 == 0 and cache.shape[-1] % 4 == 0 and cache.stride(-1) == 1
+    """Rows of ``cache`` can be read as 4-byte words: base, strides and head dim (fp8: bytes)
+    multiples of 4."""
+    return (cache.data_ptr() % 4 == 0 and cache.shape[-1] % 4 == 0
             and all(st % 4 == 0 for st in cache.stride()[:-1]))  # fmt: skip
 
 
@@ -236,7 +236,7 @@ def paged_decode_attention(
         scale * 1.4426950408889634, min_partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
         part_lse.stride(0), part_lse.stride(1),
@@ -305,7 +305,7 @@ def paged_attention(
         scale * 1.4426950408889634, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), *strides_new,
         QUERIES_PER_KV=qpk, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,

@@ -27,7 +27,6 @@ from pagedattn_kernels.common import (
     check_fp8_triton,
     check_kv_scales,
     check_unit_stride,
-    check_value_stride,
     resolve_backend,
 )
 
@@ -57,8 +56,7 @@ def reshape_and_cache(
             key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
         )
         return
-    check_unit_stride(op, key_cache=key_cache)
-    check_value_stride(op, value_cache)
+    check_unit_stride(op, key_cache=key_cache, value_cache=value_cache)
     if key_cache.dtype == FP8_DTYPE:
         check_fp8_triton(op, key_cache.device)
     key = key if key.stride(-1) == 1 else key.contiguous()

@@ -3,8 +3,7 @@
 (copy-on-write) in every layer at once.
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a unit stride on the
-head dim, or for the value cache on the token dim (key-major values, ``key_major_values``);
-``copy_blocks_kernel`` sees every layer's blocks as ``[layers, num_blocks, elems]``.
+head dim (``copy_blocks_kernel`` sees every layer's blocks as ``[layers, num_blocks, elems]``).
 
 fp8 caches (``KV_FP8``): each K (V) element is stored as e4m3 of ``clamp(x / k_scale, -448,
 448)`` (the quotient correctly rounded, then to the nearest e4m3, ties to even), as the torch
@@ -85,7 +84,6 @@ def reshape_and_cache_kernel(
     stride_vc_block,
     stride_vc_tok,
     stride_vc_head,
-    stride_vc_dim,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
@@ -113,7 +111,7 @@ def reshape_and_cache_kernel(
     kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
     vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
     tl.store(kc + h[:, None] * stride_kc_head + d[None, :], k, mask=mask)
-    tl.store(vc + h[:, None] * stride_vc_head + d[None, :] * stride_vc_dim, v, mask=mask)
+    tl.store(vc + h[:, None] * stride_vc_head + d[None, :], v, mask=mask)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ def reshape_and_cache(
         scale_or_unit(k_scale, key.device), scale_or_unit(v_scale, key.device),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1], KV_FP8=key_cache.dtype == FP8_DTYPE,
