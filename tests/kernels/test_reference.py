@@ -54,6 +54,22 @@ def test_reference_cache_ops():
     assert torch.equal(kv[:, 2], kv[:, 0])
 
 
+def test_fp8_decode_tiles_by_pairs():
+    """On fp8 caches, 512 (sequence, KV head) pairs or more take 64-token tiles of two warps
+    (faster on an H200 with many programs, slower with few); 16-bit caches are unaffected."""
+    from pagedattn_kernels.attention.triton_launch import FP8_NARROW_TILE_PAIRS, decode_config
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    narrow = decode_config(128, bf16, kv_dtype=fp8, num_pairs=FP8_NARROW_TILE_PAIRS)
+    assert (narrow.tile_n, narrow.num_warps, narrow.num_stages) == (64, 2, 3)
+    for pairs in (None, FP8_NARROW_TILE_PAIRS - 1, 128):
+        wide = decode_config(128, bf16, kv_dtype=fp8, num_pairs=pairs)
+        assert (wide.tile_n, wide.num_warps, wide.num_stages) == (128, 4, 3)
+    assert decode_config(128, bf16, num_pairs=4096) == decode_config(128, bf16)
+    assert decode_config(256, bf16, kv_dtype=fp8, num_pairs=4096).tile_n == 64  # head dim 256
+    assert decode_config(128, bf16, interpreted=True, kv_dtype=fp8, num_pairs=4096).num_stages == 1
+
+
 def test_split_choice():
     # 1 sequence x 8 KV heads on 132 SMs with 2 program slots each, 32k context: one wave of
     # 32 splits of 1024 tokens (256 programs).

@@ -50,7 +50,7 @@ LLAMA3_8B_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 
                      ("down", 4096, 14336)]  # fmt: skip
 QUICK_LINEARS = [("qkv", 384, 256), ("o", 256, 256), ("gate_up", 1024, 256), ("down", 256, 512)]
 GEMM_TOKENS = [64, 256, 512, 1024]
-FP8_CONTEXTS = [2048, 4096, 8192, 32768]
+FP8_CONTEXTS = [512, 2048, 4096, 8192, 32768]
 
 
 def _unit(device: torch.device) -> torch.Tensor:
@@ -132,7 +132,7 @@ def sweep_decode_fp8(setup: Setup, copy_bw: float, gen: torch.Generator,
     configs = [to.decode_config(setup.head_dim, setup.dtype, kv_dtype=FP8),
                to.DecodeConfig(128, 4, 2), to.DecodeConfig(256, 4, 2), to.DecodeConfig(256, 8, 3),
                to.DecodeConfig(64, 4, 4), to.DecodeConfig(128, 4, 3, early_v=True),
-               to.DecodeConfig(64, 4, 4, early_v=True),
+               to.DecodeConfig(64, 4, 4, early_v=True), to.DecodeConfig(64, 2, 3),
                # bfloat16 products (the kernel before float16 ones became the default)
                to.DecodeConfig(128, 4, 3, f16_products=False),
                # tiles loaded as int32 words (no byte-wise shared-memory reads)

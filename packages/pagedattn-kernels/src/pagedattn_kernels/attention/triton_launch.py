@@ -73,21 +73,33 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+#: fp8 caches: from this many (sequence, KV head) pairs on, the decode kernel takes narrow
+#: tiles (``decode_config``).
+FP8_NARROW_TILE_PAIRS = 512
+
+
 def decode_config(
-    head_dim: int, dtype: torch.dtype, interpreted: bool = False, kv_dtype: torch.dtype | None = None
-) -> DecodeConfig:
+    head_dim: int, dtype: torch.dtype, interpreted: bool = False,
+    kv_dtype: torch.dtype | None = None, num_pairs: int | None = None,
+) -> DecodeConfig:  # fmt: skip
     """Wide key tiles (32 KB of K per step in 16-bit types), two pipeline stages: measured on
     an H200 (bench sweeps) at 96% of copy bandwidth for batch 64 x 4k context, against 71% for
     64-token tiles with three stages. Two such programs fit per SM (~250 registers/thread).
 
     fp8 caches (``kv_dtype``): the same 128-token tiles hold half the bytes, so a third
-    pipeline stage keeps as many bytes in flight (3 x 32 KB of K and V per program).
-    Not yet measured on an H200: `python -m pagedkv.bench.kernels --fp8` sweeps it against
-    other tiles (`sweep_decode_fp8[]`)."""
+    pipeline stage keeps as many bytes in flight (3 x 32 KB of K and V per program). With
+    ``num_pairs`` (sequences x KV heads) of ``FP8_NARROW_TILE_PAIRS`` or more, 64-token tiles
+    of two warps instead: many small programs. On an H200 (``scripts/decode_key_major.py``,
+    Llama-3-8B heads, CUDA graphs) they read 74.0% of the copy bandwidth at 64 x 4k against
+    69.3%, 74.5% against 69.2% at 256 x 2k, 66.5% against 59.3% at 256 x 512; with fewer
+    pairs they lose (43.0% against 61.7% at 16 x 8k, 36.1% against 47.3% at 1 x 32k) and
+    break even at 48 x 900."""
     if interpreted:  # the interpreter pays per operation: few, wide tiles
         return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
     dpad = padded_head_dim(head_dim)
     if kv_dtype == FP8_DTYPE and dtype.itemsize == 2:
+        if dpad <= 128 and num_pairs is not None and num_pairs >= FP8_NARROW_TILE_PAIRS:
+            return DecodeConfig(tile_n=64, num_warps=2, num_stages=3)
         return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=3)
     if dtype.itemsize == 4:  # fp32: tf32x3 dots hold split operands in registers: small tiles
         return DecodeConfig(tile_n=32 if dpad <= 128 else 16, num_warps=4, num_stages=2)
@@ -202,9 +214,8 @@ def paged_decode_attention(
     qpk = num_heads // num_kv_heads
     kernels = kernels_for(query.device, KERNELS)
     fp8 = key_cache.dtype == FP8_DTYPE
-    cfg = config or decode_config(
-        head_dim, query.dtype, is_interpreted(kernels.decode_kernel), key_cache.dtype
-    )
+    cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel),
+                                  key_cache.dtype, num_seqs * num_kv_heads)  # fmt: skip
     dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
