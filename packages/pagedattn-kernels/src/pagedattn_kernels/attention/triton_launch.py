@@ -43,8 +43,9 @@ class DecodeConfig:
     queries, multiply in float16 rather than bfloat16 (``_query_as_float16`` says why and
     what it costs); off, the tiles are converted to bfloat16 as for the other caches.
     ``packed_loads``: on an fp8 cache with 16-bit queries, load K and V tiles as int32 words
-    (``_attend_tile``'s PACKED): no byte-wise shared-memory reads. Off by default until timed
-    on an H200 (``python -m pagedkv.bench.kernels --fp8``, ``sweep_decode_fp8``)."""
+    (``_attend_tile``'s PACKED): no byte-wise shared-memory reads. Off by default: slower on an
+    H200 (46.7% of the copy bandwidth against 63.8% at 64 x 4k, ``sweep_decode_fp8``): the
+    words are loaded into registers, probably outside the compiler's software pipeline."""
 
     tile_n: int
     num_warps: int
