@@ -141,7 +141,9 @@ CONFIGS = [Config("dot", 64, 128, 0, 4, 4), Config("dot", 128, 128, 0, 4, 4),
 # 70-153 instructions per loop step, 38-154 registers, 40-144 KB of shared memory
 SWAP_CONFIGS = [Fp8MatmulConfig(128, 128, 0, 4, 4), Fp8MatmulConfig(64, 128, 0, 4, 4),
                 Fp8MatmulConfig(128, 256, 0, 4, 3), Fp8MatmulConfig(64, 256, 0, 4, 4),
-                Fp8MatmulConfig(128, 128, 0, 8, 4), Fp8MatmulConfig(128, 128, 1, 4, 4)]  # fmt: skip
+                Fp8MatmulConfig(128, 128, 0, 8, 4), Fp8MatmulConfig(128, 128, 1, 4, 4),
+                # the default with its split-K merged by a second kernel, not by the last split
+                Fp8MatmulConfig(128, 128, 0, 4, 4, merge_here=False)]  # fmt: skip
 
 
 def block_m_for(m: int, kind: str) -> int:
@@ -305,7 +307,7 @@ def main() -> int:
             for cfg in SWAP_CONFIGS:
                 info = {"kind": "swap", "block_n": cfg.block_n, "block_k": cfg.block_k,
                         "split_k": cfg.split_k, "num_warps": cfg.num_warps,
-                        "num_stages": cfg.num_stages}  # fmt: skip
+                        "num_stages": cfg.num_stages, "merge_here": cfg.merge_here}  # fmt: skip
                 variants.append(("swap_fp8", info, make_swap(xq, xs, ws, n, cfg), wqs,
                                  n * k + 4 * n))  # fmt: skip
             for cfg in CONFIGS:

@@ -66,17 +66,19 @@ def test_fp8_matmul_within_bound(target, seed, dtype):
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_fp8_matmul_split_k(target, seed, split_k):
-    """Split-K (the partial sums of K ranges, then a second kernel adds them in order and
-    scales): within the bound, an empty last split included (K = 200 in steps of 64: splits of
-    2, 2, 0), into a given output with strided rows; the same bits on a second call."""
+    """Split-K (the partial sums of K ranges, added in split order and scaled by the tile's
+    last split, ``merge_here``, or by a second kernel): within the bound, an empty last split
+    included (K = 200 in steps of 64: splits of 2, 2, 0), into a given output with strided
+    rows; the same bits on a second call and from both merges; the merge's counts left at
+    zero for the next call."""
     if target.backend != "triton":
         pytest.skip("a Triton kernel option")
-    from pagedattn_kernels.quant.triton_launch import Fp8MatmulConfig
+    from pagedattn_kernels.quant import triton_launch as ql
 
     gen = target.generator(seed)
     m, n, k = (21, 80, 200) if not target.full else (37, 4096, 14336)
-    cfg = Fp8MatmulConfig(block_n=32 if not target.full else 128, block_k=64,
-                          split_k=split_k, num_stages=1 if not target.full else 4)  # fmt: skip
+    cfg = ql.Fp8MatmulConfig(block_n=32 if not target.full else 128, block_k=64,
+                             split_k=split_k, num_stages=1 if not target.full else 4)  # fmt: skip
     xq, xs, wq, ws = _operands(gen, m, n, k, target.device)
     wide = torch.full((m, n + 8), float("nan"), dtype=BF16, device=target.device)
     out = wide[:, :n]
@@ -87,6 +89,11 @@ def test_fp8_matmul_split_k(target, seed, split_k):
     assert worst <= 1.0, f"split {split_k}: |err| / bound {worst:.2f} (seed={seed})"
     again = pk.fp8_matmul(xq, xs, wq, ws, config=cfg, backend="triton")
     assert torch.equal(again, y), f"seed={seed}"
+    other = ql.Fp8MatmulConfig(cfg.block_n, cfg.block_k, split_k, cfg.num_warps, cfg.num_stages,
+                               merge_here=False)  # fmt: skip
+    assert torch.equal(pk.fp8_matmul(xq, xs, wq, ws, config=other, backend="triton"), y)
+    if split_k > 1:
+        assert not ql._COUNTERS[xq.device].any()
 
 
 def test_fp8_matmul_empty_shapes():

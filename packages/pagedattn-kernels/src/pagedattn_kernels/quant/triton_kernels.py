@@ -112,10 +112,20 @@ def quantize_fp8_per_token_kernel(
 
 # The row count and what follows from it change with every decode batch: never specialized
 # on (a serving run would stall to compile a variant at each first "1" or multiple of 16).
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask):
+    """``y[rm, rn] = acc.T * x_scale[rm] * w_scale[rn]`` in y's dtype (acc is [rn, rm])."""
+    acc = acc * tl.load(w_scale_ptr + rn % N)[:, None]
+    acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
+    y = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "splits"])
 def fp8_matmul_kernel(
     y_ptr,
     part_ptr,
+    counter_ptr,
     xq_ptr,
     x_scale_ptr,
     w_ptr,
@@ -124,6 +134,7 @@ def fp8_matmul_kernel(
     N,
     K,
     k_chunk,
+    splits,
     stride_xm,
     stride_wn,
     stride_ym,
@@ -131,6 +142,7 @@ def fp8_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE_HERE: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -148,9 +160,14 @@ def fp8_matmul_kernel(
     bf16's bytes.
 
     Rows past M and columns past N re-read valid ones (``% M``, ``% N``: no masks in the loop)
-    and are not stored. SPLIT: the raw fp32 sums go to ``part [splits, M, N]`` and
-    ``fp8_matmul_reduce_kernel`` finishes; else scaled and stored in y's dtype. UPCAST: the
-    interpreter, which has no fp8 dot: float32 operands, which hold e4m3 values exactly."""
+    and are not stored. SPLIT: the raw fp32 sums go to ``part [splits, M, N]``; then either
+    ``fp8_matmul_reduce_kernel`` finishes, or (MERGE_HERE) the tile's last split to finish
+    does: each split counts itself in ``counter_ptr`` (one int32 per tile, zero between
+    calls), and the one that sees ``splits - 1`` before it sums the partials in split order
+    (the same result on every run), stores y and zeroes the count again. That saves a launch
+    per matmul, about 3 us each in a decode step of 16 sequences on an H200 (128 of them).
+    Without SPLIT: scaled and stored in y's dtype. UPCAST: the interpreter, which has no fp8
+    dot: float32 operands, which hold e4m3 values exactly."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -177,13 +194,21 @@ def fp8_matmul_kernel(
             # Unpromoted, an H200 was 1.1-2.75x past the test's bound at K = 4096.
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
     mask = (rn < N)[:, None] & (rm < M)[None, :]
-    if SPLIT:
-        tl.store(part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+    if not SPLIT:
+        _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask)
     else:
-        acc = acc * tl.load(w_scale_ptr + rn % N)[:, None]
-        acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
-        y = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        part = part_ptr + rm[None, :] * N + rn[:, None]
+        tl.store(part + pid_k * M * N, acc, mask=mask)
+        if MERGE_HERE:
+            tl.debug_barrier()  # every thread's partial is stored before the count moves
+            counter = counter_ptr + pid_n * tl.num_programs(1) + pid_m
+            if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+                total = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+                for s in range(splits):  # from L2 (".cg"): other SMs wrote them
+                    total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_scaled(total, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
+                              mask)  # fmt: skip
+                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit(do_not_specialize=["numel", "splits"])

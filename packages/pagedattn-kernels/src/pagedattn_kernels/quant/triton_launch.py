@@ -50,19 +50,38 @@ def quantize_fp8_per_token(
 class Fp8MatmulConfig:
     """Tiles of ``fp8_matmul_kernel``: ``block_n`` weight rows (the tensor-core tile's M
     side: 64 or 128 for wgmma) and ``block_k`` columns per step; ``split_k`` 0 picks the
-    split that fills the SMs (``auto_split``)."""
+    split that fills the SMs (``auto_split``). ``merge_here``: a split matmul's last split
+    per tile sums the partials (the kernel's MERGE_HERE), else a second kernel does."""
 
     block_n: int = 128
     block_k: int = 128
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 4
+    merge_here: bool = True
 
 
 # Not yet timed on an H200 (scripts/fp8_weight_only_gemm.py sweeps these against
 # torch._scaled_mm): 128 x 128 bytes of weights per stage, four stages in flight.
 FP8_MATMUL_CONFIG = Fp8MatmulConfig()
 _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed int32 counts of ``fp8_matmul_kernel``'s MERGE_HERE, one per output tile,
+    kept per device (each kernel leaves them zero). None while a CUDA graph is being captured
+    and they are missing or too few: an allocation there would belong to the graph's pool.
+    One split matmul at a time per device: the engine's matmuls run on one stream."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = torch.zeros(max(4096, next_power_of_2(tiles)), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
 
 
 def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
@@ -94,14 +113,17 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     k_chunk = -(-k_iters // split) * cfg.block_k
     x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    counters = None
+    if split > 1 and cfg.merge_here:
+        counters = _merge_counters(xq.device, grid_nm[0] * grid_nm[1])
     kernels.fp8_matmul_kernel[(*grid_nm, split)](
-        out, part, xq, x_scale, wq, w_scale, m, n, k, k_chunk,
-        xq.stride(0), wq.stride(0), out.stride(0),
+        out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
+        m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
-        EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
+        MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
             out, part, x_scale, w_scale, m * n, n, split, out.stride(0), BLOCK=1024
         )
