@@ -5,8 +5,9 @@
 #   bash scripts/gpu_fp8.sh tests kernels      # ~5 min
 #     tests    the `gpu` tests of the fp8 code (kernels on fp8 caches compiled, with float16
 #              products and packed loads; the hardware e4m3 conversion of every e4m3 writer,
-#              next to rounding ties too; _scaled_mm against the fallback, the engine with
-#              both options and CUDA graphs, fp8 swaps)
+#              next to rounding ties too; _scaled_mm against the fallback, fp8_matmul within
+#              its bound with both split-K merges, the engine with both options and CUDA
+#              graphs, fp8 swaps)
 #     kernels  `python -m pagedkv.bench.kernels --fp8`: the whole kernel benchmark (decode rows,
 #              prefill rows `prefill[].tokens` / `prefill[].vs_sdpa` at 1k/4k/16k, fused ops,
 #              split and tile sweeps, prefill tiles at 4k and 16k) plus decode and prefill on
@@ -111,7 +112,7 @@ for part in "${parts[@]}"; do
       if [[ "$SMOKE" == 1 ]]; then echo "=== tests: gpu tests need a GPU (skipped in a smoke run)"; continue; fi
       echo "=== gpu tests (fp8)"
       timeout 300 "$PYTHON" -m pytest -m gpu tests/kernels/test_fp8.py tests/kernels/test_fused_fp8.py \
-        tests/engine/test_fp8.py \
+        tests/kernels/test_fp8_matmul.py tests/engine/test_fp8.py \
         -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/fp8_gpu_tests.log" | tail -15
       ;;
     kernels)
