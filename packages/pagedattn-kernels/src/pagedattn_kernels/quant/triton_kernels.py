@@ -110,8 +110,6 @@ def quantize_fp8_per_token_kernel(
         tl.store(o_row + start + c, _e4m3(y, E4M3), mask=mask)
 
 
-# The row count and what follows from it change with every decode batch: never specialized
-# on (a serving run would stall to compile a variant at each first "1" or multiple of 16).
 @triton.jit
 def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask):
     """``y[rm, rn] = acc.T * x_scale[rm] * w_scale[rn]`` in y's dtype (acc is [rn, rm])."""
@@ -121,6 +119,9 @@ def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# The row count and what follows from it change with every decode batch, the split count
+# with the shape: never specialized on (a serving run would stall to compile a variant at
+# each first "1" or multiple of 16).
 @triton.jit(do_not_specialize=["M", "splits"])
 def fp8_matmul_kernel(
     y_ptr,
