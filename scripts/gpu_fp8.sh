@@ -14,6 +14,10 @@
 #              an fp8 cache (`decode_fp8[]`, bandwidth in fp8 bytes) and the decode GEMMs of a
 #              Llama-3-8B layer, fp8 against bf16 at 64-1,024 tokens (`gemm_layer[]`,
 #              `gemm_fp8_vs_16bit_m512`)                                 -> kernels.json
+#   bash scripts/gpu_fp8.sh gemm               # ~2 min
+#     `python -m pagedkv.bench.kernels --gemm-only`: the fp8 GEMM rows alone (`gemm_layer[]`,
+#     `gemm_layer_fused[]`) and the quantization kernels, a program per row against tiled
+#     (`quant[]`)                                  -> kernels_fp8_gemm.json
 #   bash scripts/gpu_fp8.sh bf16               # ~6 min, carrying .gpu_data
 #   bash scripts/gpu_fp8.sh fp8                # ~2 min, carrying .gpu_data
 #     Llama-3-8B shape (random bf16 weights), 1,000 requests of the real ShareGPT V3 when
@@ -53,7 +57,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -126,6 +130,19 @@ for part in "${parts[@]}"; do
       "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(('gemm_fp8', 'decode_fp8', 'prefill_fp8', 'prefill_vs'))})" "$OUT/kernels.json" \
         || echo "kernels.json: no JSON line (see kernels_fp8.log)"
       ;;
+    gemm)
+      # The fp8 GEMM rows and the quantization kernels that feed them (a program per row
+      # against tiled), without the rest of the kernel benchmark
+      echo "=== fp8 GEMMs and quantization kernels"
+      if [[ "$SMOKE" == 1 ]]; then kargs=(--quick --gemm-only); else kargs=(--gemm-only); fi
+      timeout 240 "$PYTHON" -m pagedkv.bench.kernels "${kargs[@]}" --commit "${PAGEDKV_COMMIT:-}" \
+        > "$OUT/kernels_gemm.log" 2>&1
+      echo "    exit $?"
+      tail -1 "$OUT/kernels_gemm.log" > "$OUT/kernels_fp8_gemm.json"
+      grep -E "^(quant M|gemm layer)" "$OUT/kernels_gemm.log" | tail -30
+      "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(('gemm_fp8', 'quant_', 'silu_fp8'))})" "$OUT/kernels_fp8_gemm.json" \
+        || echo "kernels_fp8_gemm.json: no JSON line (see kernels_gemm.log)"
+      ;;
     bf16)
       throughput "" "${baselines[@]}"
       ;;
@@ -187,11 +204,11 @@ for part in "${parts[@]}"; do
     weightonly)
       if [[ "$SMOKE" == 1 ]]; then echo "=== weightonly: needs a GPU (skipped in a smoke run)"; continue; fi
       echo "=== weight-only fp8 GEMM against bf16 and fp8_linear"
-      timeout 300 "$PYTHON" scripts/fp8_weight_only_gemm.py --budget-s 180 --commit "${PAGEDKV_COMMIT:-}" \
+      timeout $(( ${WEIGHTONLY_BUDGET:-180} + 120 )) "$PYTHON" scripts/fp8_weight_only_gemm.py --budget-s "${WEIGHTONLY_BUDGET:-180}" --commit "${PAGEDKV_COMMIT:-}" \
         --output-json "$OUT/fp8_weight_only_gemm.json" > "$OUT/fp8_weight_only_gemm.log" 2>&1
       echo "    exit $?"
       grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
       ;;
-    *) echo "unknown part $part (tests, kernels, bf16, fp8, fp8swap, profile, accuracy, diagnose, weightonly)" ;;
+    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, profile, accuracy, diagnose, weightonly)" ;;
   esac
 done

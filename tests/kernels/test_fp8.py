@@ -450,6 +450,33 @@ def test_quantize_fp8_per_token_one_pass_and_two(seed, cols):
     assert torch.equal(s, want_s) and _same_values(q, want_q), f"seed={seed}"
 
 
+@pytest.mark.parametrize("block", [None, 64, 128])
+def test_quantize_fp8_per_token_tiled(target, seed, block):
+    """The tiled kernels (each tile's largest magnitude per row, then the tiles quantized from
+    those maxima) give the reference's bits and the per-row kernel's, for tiles that split a
+    row into several chunks (their count not a power of two, the last one partial), a ragged
+    last row tile, rows of very different magnitudes and an all-zero row."""
+    if target.backend != "triton":
+        pytest.skip("the tiled kernels are Triton's")
+    from pagedattn_kernels.quant import triton_launch
+
+    gen = target.generator(seed)
+    dev = target.device
+    shapes = [(512, 14336), (37, 4096), (3, 1000)] if target.full else [(5, 300), (3, 1000)]
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols, generator=gen, device=dev)
+        x = (x * torch.exp(3 * torch.randn(rows, 1, generator=gen, device=dev))).to(BF16)
+        x[rows // 2] = 0
+        got = [torch.empty(rows, cols, dtype=FP8, device=dev), torch.empty(rows, 1, device=dev)]
+        triton_launch.quantize_fp8_per_token(x, *got, tiled=True, block=block)
+        per_row = [torch.empty_like(got[0]), torch.empty_like(got[1])]
+        triton_launch.quantize_fp8_per_token(x, *per_row, tiled=False)
+        want_q, want_s = reference.quantize_fp8_per_token(x.cpu())
+        what = f"{rows}x{cols} block={block} seed={seed}"
+        assert torch.equal(got[1].cpu(), want_s) and _same_values(got[0].cpu(), want_q), what
+        assert torch.equal(got[1], per_row[1]) and _same_values(got[0], per_row[0]), what
+
+
 @settings(max_examples=60)
 @given(arrays("float32", st.tuples(st.integers(1, 4), st.integers(1, 40)),
               elements=st.floats(-1e4, 1e4, width=32)))  # fmt: skip

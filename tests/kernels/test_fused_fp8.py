@@ -166,6 +166,29 @@ def test_equals_the_unfused_composition(target, seed, op, dtype, case):
     assert bool((got[1] > 0).all()) and bool(torch.isfinite(got[0].float()).all()), what
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_fp8_tiled_and_per_row(target, seed, dtype):
+    """Both Triton ways to quantize SiLU-and-multiply's rows give the unfused composition's
+    bits: tiled (the products and each tile's largest magnitude per row, then the tiles
+    quantized from those maxima; here with rows split into several tiles, the last partial)
+    and a program per row."""
+    if target.backend != "triton":
+        pytest.skip("the two launches are Triton's")
+    from pagedattn_kernels.fused import triton_launch
+    from pagedattn_kernels.quant import triton_launch as quant_launch
+
+    rows, width = (300, 14336) if target.full else (6, 5000)
+    x, residual, weight, eps = _inputs(target, seed, rows, width, dtype, silu=True)
+    want = _unfused("silu_and_mul_fp8", x, residual, weight, eps, target.backend)
+    for tiled in (True, False):
+        q = torch.empty(rows, width, dtype=FP8, device=x.device)
+        scale = torch.empty(rows, 1, device=x.device)
+        triton_launch.silu_and_mul(x, x, width, fp8_out=(q, scale), tiled=tiled)
+        what = f"tiled={tiled} {rows}x{width} {dtype} seed={seed}"
+        _assert_same_fp8((q, scale), want, what)
+    assert quant_launch.tile_shape(rows, width, not target.full)[1] < width  # several tiles
+
+
 # --------------------------------------------------------------------------- shapes and strides
 
 

@@ -113,6 +113,8 @@ NOT_SPECIALIZED = {
     # Row widths and strides are a model's constants: specialized, so that loads and stores
     # of widths that are multiples of 16 vectorize (unspecialized, each moved one element).
     ("quant", "quantize_fp8_per_token_kernel"): set(),
+    ("quant", "row_chunk_amax_kernel"): {"rows"},
+    ("quant", "quantize_fp8_tiles_kernel"): {"rows"},
     ("quant", "fp8_matmul_kernel"): {"M", "splits"},
     ("quant", "fp8_matmul_reduce_kernel"): {"numel", "splits"},
 }  # fmt: skip

@@ -189,7 +189,8 @@ def main() -> None:
     cache.kernels_for = lambda device, module: cache_proxy
     fused_proxy = _proxy(fused_kernels, FUSED_KERNELS)
     fused.kernels_for = lambda device, module: fused_proxy
-    quant_proxy = _proxy(quant_kernels, ("quantize_fp8_per_token_kernel", "fp8_matmul_kernel",
+    quant_proxy = _proxy(quant_kernels, ("quantize_fp8_per_token_kernel", "row_chunk_amax_kernel",
+                                         "quantize_fp8_tiles_kernel", "fp8_matmul_kernel",
                                          "fp8_matmul_reduce_kernel"))  # fmt: skip
     quant.kernels_for = lambda device, module: quant_proxy
     # The stub's tensors live on the CPU, where the launchers would pick the interpreter's
@@ -267,14 +268,16 @@ def _fp8_variants() -> None:
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),
                                   k_scale=unit, v_scale=unit)  # fmt: skip
-        # Writers of e4m3: the cache write, per-token quantization (one pass up to 16,384
-        # columns, two beyond), and the norms and SiLU that quantize their output.
+        # Writers of e4m3: the cache write, per-token quantization (a program per row: one
+        # pass up to 16,384 columns, two beyond; and tiled), and the norms and SiLU that
+        # quantize their output (SiLU a program per row and tiled).
         kv = torch.empty(8, hkv, head_dim, dtype=dtype)
         cache.reshape_and_cache(kv, kv, kc, kc, torch.zeros(8, dtype=torch.int64), unit, unit)
         for cols in (4096, 14336, 20480):
             x = torch.empty(4, cols, dtype=dtype)
-            quant.quantize_fp8_per_token(x, torch.empty(4, cols, dtype=kc.dtype),
-                                         torch.empty(4, 1))  # fmt: skip
+            for tiled in (False, True):
+                quant.quantize_fp8_per_token(x, torch.empty(4, cols, dtype=kc.dtype),
+                                             torch.empty(4, 1), tiled=tiled)  # fmt: skip
         for m in (1, 16, 64):  # the fp8 matmul at decode batch sizes (its default tiles)
             wq = torch.empty(6144, 4096, dtype=kc.dtype)
             for split in (0, 4):  # the launcher's split (none here: 4 stub SMs), and four
@@ -284,8 +287,10 @@ def _fp8_variants() -> None:
         x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
         fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
         fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)
-        fused.silu_and_mul(x, torch.empty(8, 2 * 14336, dtype=dtype), 14336,
-                           fp8_out=(torch.empty(8, 14336, dtype=kc.dtype), torch.empty(8, 1)))
+        for tiled in (False, True):
+            fused.silu_and_mul(x, torch.empty(8, 2 * 14336, dtype=dtype), 14336,
+                               fp8_out=(torch.empty(8, 14336, dtype=kc.dtype), torch.empty(8, 1)),
+                               tiled=tiled)  # fmt: skip
 
 
 def _report() -> None:

@@ -744,6 +744,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "GEMMs of fp8 weights (pagedkv.bench.kernels_fp8)")  # fmt: skip
     ap.add_argument("--fp8-only", action="store_true",
                     help="only the fp8 rows (and the 16-bit prefill rows, their SDPA baseline)")
+    ap.add_argument("--gemm-only", action="store_true",
+                    help="only the fp8 GEMM rows and the quantization kernels that feed them "
+                         "(gemm, gemm_layer, gemm_layer_fused, quant)")  # fmt: skip
     args = ap.parse_args(argv)
     start = time.monotonic()
     if args.quick:
@@ -776,7 +779,9 @@ def main(argv: list[str] | None = None) -> dict:
     prefill: list[dict] = []
     decode: list[dict] = []
     fused: list[dict] = []
-    if not args.fused_only:
+    if args.gemm_only:
+        args.fp8_only = args.no_sweeps = True
+    if not args.fused_only and not args.gemm_only:
         _warm_gpu(setup.device)
         prefill = bench_prefill(setup, gen)
         if not args.fp8_only:
@@ -786,18 +791,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.fp8 or args.fp8_only:
         from pagedkv.bench import kernels_fp8
 
+        decode_fp8, prefill_fp8 = [], []
+        if not args.gemm_only:
+            _warm_gpu(setup.device)
+            decode_fp8 = kernels_fp8.bench_decode_fp8(setup, copy_bw, gen)
+            prefill_fp8 = kernels_fp8.bench_prefill_fp8(setup, gen, prefill)
         _warm_gpu(setup.device)
-        decode_fp8 = kernels_fp8.bench_decode_fp8(setup, copy_bw, gen)
-        prefill_fp8 = kernels_fp8.bench_prefill_fp8(setup, gen, prefill)
-        _warm_gpu(setup.device)
+        quant = kernels_fp8.bench_quant(setup, copy_bw, gen)
         gemm, gemm_layer = kernels_fp8.bench_gemm(setup, gen)
         layer_fused = kernels_fp8.bench_layer_fused(setup, gen)
         fp8_sweep = []
         if not setup.quick and not args.no_sweeps:
             fp8_sweep = kernels_fp8.sweep_decode_fp8(setup, copy_bw, gen, start + args.budget_s)
-        fp8 = {**kernels_fp8.fp8_headlines(decode_fp8, prefill_fp8, gemm_layer, layer_fused),
+        fp8 = {**kernels_fp8.fp8_headlines(decode_fp8, prefill_fp8, gemm_layer, layer_fused,
+                                           quant),
                "decode_fp8": decode_fp8, "prefill_fp8": prefill_fp8, "gemm": gemm,
-               "gemm_layer": gemm_layer, "gemm_layer_fused": layer_fused,
+               "gemm_layer": gemm_layer, "gemm_layer_fused": layer_fused, "quant": quant,
                "sweep_decode_fp8": fp8_sweep}  # fmt: skip
     if not args.fp8_only:
         _warm_gpu(setup.device)

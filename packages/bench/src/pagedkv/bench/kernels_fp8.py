@@ -21,6 +21,8 @@
   (``graph_us_unfused``), and fp8 with the norms and the activation quantizing their own
   outputs (``graph_us``: ``rms_norm_fp8``..., what the engine runs); ``graph_vs_16bit`` is
   the fused one (``gemm_fp8_fused_graph_vs_16bit_m512``).
+- ``quant``: per-token quantization at 4,096 and 14,336 columns, a program per row against
+  tiled, and SiLU-and-multiply quantizing its output both ways (``bench_quant``).
 On the CPU (``--quick``) the same code runs tiny shapes through the torch paths (the fp8
 matmul there is the dequantizing fallback): a smoke run, not a measurement.
 """
@@ -381,8 +383,86 @@ def bench_layer_fused(setup: Setup, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+QUANT_TOKENS = [16, 64, 256, 512, 1024]
+
+
+def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict]:
+    """Per-token quantization of a decode step's activations, a program per row against
+    tiled (``pagedattn_kernels.quant.triton_launch.quantize_fp8_per_token``'s ``tiled``), at
+    Llama-3-8B's widths (4,096: the output projection's input; 14,336: the down projection's),
+    and at 14,336 SiLU-and-multiply quantizing its own output both ways against the plain
+    kernel followed by the default quantization. Bandwidth in the bytes each needs at least
+    (16-bit in, e4m3 out; SiLU reads gate and up); ``same``: tiled gives the per-row bits."""
+    from pagedattn_kernels.fused import triton_launch as fused_launch
+    from pagedattn_kernels.quant import triton_launch as quant_launch
+
+    dev, dtype = setup.device, setup.dtype
+    if dev.type != "cuda":
+        print("quant: the Triton kernels need a GPU here (the interpreter is not timed)")
+        return []
+    widths = [256, 512] if setup.quick else [4096, 14336]
+    rows: list[dict] = []
+    for m in [4, 16] if setup.quick else QUANT_TOKENS:
+        for cols in widths:
+            x = torch.randn(m, cols, generator=gen, device=dev).to(dtype)
+            outs = {k: (torch.empty(m, cols, dtype=FP8, device=dev),
+                        torch.empty(m, 1, device=dev)) for k in ("per_row", "tiled")}  # fmt: skip
+
+            def per_row(x=x, o=outs["per_row"]) -> Any:
+                return quant_launch.quantize_fp8_per_token(x, *o, tiled=False)
+
+            def tiled(x=x, o=outs["tiled"]) -> Any:
+                return quant_launch.quantize_fp8_per_token(x, *o, tiled=True)
+
+            fns = {"per_row": per_row, "tiled": tiled}
+            if cols == widths[-1]:
+                g = torch.randn(m, 2 * cols, generator=gen, device=dev).to(dtype)
+                silu_out = {k: (torch.empty(m, cols, dtype=FP8, device=dev),
+                                torch.empty(m, 1, device=dev)) for k in ("per_row", "tiled")}  # fmt: skip
+
+                def silu_per_row(g=g, o=silu_out["per_row"]) -> None:
+                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=False)
+
+                def silu_tiled(g=g, o=silu_out["tiled"]) -> None:
+                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=True)
+
+                def silu_then_quant(g=g) -> Any:
+                    return pk.quantize_fp8_per_token(pk.silu_and_mul(g))
+
+                fns.update(silu_per_row=silu_per_row, silu_tiled=silu_tiled,
+                           silu_then_quant=silu_then_quant)  # fmt: skip
+            for fn in fns.values():
+                fn()
+            row: dict[str, Any] = {"m": m, "cols": cols,
+                                   "same": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                               for a, b in zip(outs["per_row"], outs["tiled"]))}  # fmt: skip
+            if "silu_tiled" in fns:
+                row["silu_same"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                       for a, b in zip(silu_out["per_row"], silu_out["tiled"]))  # fmt: skip
+            for name, fn in fns.items():
+                seconds = _time_graph(fn, dev) or _time(fn, dev)
+                need = m * cols * (2 * x.element_size() if name.startswith("silu") else
+                                   x.element_size()) + m * cols + 4 * m  # fmt: skip
+                row[f"{name}_us"] = seconds * 1e6
+                row[f"{name}_bw_frac"] = need / seconds / copy_bw
+            row["tiled_vs_per_row"] = row["per_row_us"] / row["tiled_us"]
+            if "silu_tiled_us" in row:
+                row["silu_tiled_vs_per_row"] = row["silu_per_row_us"] / row["silu_tiled_us"]
+                row["silu_tiled_vs_unfused"] = row["silu_then_quant_us"] / row["silu_tiled_us"]
+            print(f"quant M={m:<5d} cols={cols:<6d} per row {row['per_row_us']:7.1f} us "
+                  f"({100 * row['per_row_bw_frac']:4.1f}%)  tiled {row['tiled_us']:7.1f} us "
+                  f"({100 * row['tiled_bw_frac']:4.1f}%)  same: {row['same']}"
+                  + (f" | silu fp8 per row {row['silu_per_row_us']:7.1f} tiled "
+                     f"{row['silu_tiled_us']:7.1f} silu+quant {row['silu_then_quant_us']:7.1f} us"
+                     f" same: {row['silu_same']}" if "silu_tiled_us" in row else ""),
+                  flush=True)  # fmt: skip
+            rows.append(row)
+    return rows
+
+
 def fp8_headlines(decode: list[dict], prefill: list[dict], layer: list[dict],
-                  layer_fused: list[dict] | None = None) -> dict[str, Any]:  # fmt: skip
+                  layer_fused: list[dict] | None = None,
+                  quant: list[dict] | None = None) -> dict[str, Any]:  # fmt: skip
     """Flat keys for the fp8 goals: decode bandwidth fraction (fp8 bytes) at 64 x 4k, prefill
     against SDPA at 4k and 16k, decode GEMMs at M = 512 against the 16-bit ones."""
 
@@ -406,4 +486,7 @@ def fp8_headlines(decode: list[dict], prefill: list[dict], layer: list[dict],
         "gemm_fp8_fast_accum_matmul_only_vs_16bit_m512": pick(layer, "gemm_fast_accum_vs_16bit",
                                                               m=512),
         "gemm_fp8_fused_graph_vs_16bit_m512": pick(layer_fused or [], "graph_vs_16bit", m=512),
+        "quant_tiled_vs_per_row_m512_c14336": pick(quant or [], "tiled_vs_per_row", m=512,
+                                                   cols=14336),
+        "silu_fp8_tiled_vs_per_row_m512": pick(quant or [], "silu_tiled_vs_per_row", m=512),
     }

@@ -181,19 +181,26 @@ def silu_and_mul_kernel(
     scale_ptr,
     stride_q,
     min_scale,
+    partial_ptr,
+    chunks,
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     ROUND: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     QUANT: tl.constexpr,
+    AMAX: tl.constexpr,
 ):
     """``out[t, i] = silu(x[t, i]) * x[t, INTER + i]`` for a [ROWS, BLOCK] tile; silu as
     torch computes it, ``g / (1 + expf(-g))``, rounded to the dtype before the product.
 
     QUANT (1 or 2 as ``rms_norm_kernel``'s; BLOCK >= INTER: a program holds whole rows): the
-    products are quantized per token to e4m3 (``_store_fp8_rows``) instead of stored, the input of an fp8 down projection;
-    ``out_ptr`` only gives the model dtype for the roundings."""
+    products are quantized per token to e4m3 (``_store_fp8_rows``) instead of stored, the
+    input of an fp8 down projection; ``out_ptr`` only gives the model dtype for the roundings.
+
+    AMAX (tiled fp8 output): the products are stored, and each row's largest magnitude in the
+    tile goes to ``partial[row, program_id(1)]`` (``chunks`` per row), for
+    ``quantize_fp8_tiles_kernel`` to quantize them without another pass for the scales."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < num_rows
@@ -214,6 +221,10 @@ def silu_and_mul_kernel(
     else:
         tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
+        if AMAX:
+            amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
+            tl.store(partial_ptr + rows.to(tl.int64) * chunks + tl.program_id(1), amax,
+                     mask=row_ok)  # fmt: skip
 
 
 @triton.jit

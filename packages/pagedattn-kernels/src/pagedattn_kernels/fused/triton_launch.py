@@ -15,6 +15,7 @@ import functools
 import torch
 
 from pagedattn_kernels.common import e4m3_encoder, is_interpreted, kernels_for, next_power_of_2
+from pagedattn_kernels.quant import triton_launch as quant_launch
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
 KERNELS = "pagedattn_kernels.fused.triton_kernels"
@@ -109,16 +110,25 @@ def _quant_mode(kernel: object, x: torch.Tensor, fp8_out: object) -> int:
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
-                 fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                 fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 tiled: bool | None = None) -> None:  # fmt: skip
     """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``, or
     with ``fp8_out = (q [rows, inter] e4m3, scale [rows, 1] float32)`` quantized per token
-    there (a program per row; ``out`` then only gives the dtype and is not written)."""
+    there (``out`` then only gives the dtype and is not written): tiled (``tiled`` None: as
+    ``quant.triton_launch.quantize_fp8_per_token`` picks for that width) or a program per
+    row."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
-    out2 = row_view(out, inter) if fp8_out is None else x
     kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
     interpreted = is_interpreted(kernel)
+    if fp8_out is not None:
+        if tiled is None:
+            tiled = inter >= quant_launch.TILED_MIN_COLS and not interpreted
+        if tiled:
+            _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out)
+            return
+    out2 = row_view(out, inter) if fp8_out is None else x
     num_warps = 4
     if fp8_out is not None:  # whole rows: the scale needs the row's largest magnitude
         block = next_power_of_2(inter)
@@ -133,11 +143,31 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     q, scale = fp8_out if fp8_out is not None else (out2, out2)
     grid = (-(-num_rows // rows), -(-inter // block))
     kernel[grid](
-        out2, x, num_rows, x.stride(0), out2.stride(0), q, scale, q.stride(0), MIN_SCALE,
+        out2, x, num_rows, x.stride(0), out2.stride(0), q, scale, q.stride(0), MIN_SCALE, out2, 1,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
-        LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), num_warps=num_warps,
-        enable_fp_fusion=False,
+        LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), AMAX=False,
+        num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
+
+
+def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torch.Tensor,
+                            scale: torch.Tensor) -> None:  # fmt: skip
+    """SiLU-and-multiply to fp8 rows in two tiled kernels: the products in the model dtype with
+    each tile's largest magnitude per row (AMAX), then ``quantize_fp8_from_maxima``. The
+    products make one extra round trip (mostly through L2) against a program per row, which
+    keeps a whole row in registers but runs few, long programs."""
+    num_rows = x.shape[0]
+    interpreted = is_interpreted(kernel)
+    rows, block = quant_launch.tile_shape(num_rows, inter, interpreted)
+    chunks = -(-inter // block)
+    y = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
+    partial = torch.empty(num_rows, chunks, dtype=torch.float32, device=x.device)
+    kernel[(-(-num_rows // rows), chunks)](
+        y, x, num_rows, x.stride(0), y.stride(0), y, y, y.stride(0), MIN_SCALE, partial, chunks,
+        INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
+        LIBDEVICE=not interpreted, QUANT=0, AMAX=True, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    quant_launch.quantize_fp8_from_maxima(y, partial, q, scale, block)
 
 
 def rotary_embedding(

@@ -1,10 +1,16 @@
 """The Triton kernels of the quantization ops (device code only; the launchers are in
-``triton_launch``): per-token fp8 quantization, one program per row, and the fp8 matmul that
-takes its output (``fp8_matmul_kernel``).
+``triton_launch``): per-token fp8 quantization, one program per row or tiled, and the fp8
+matmul that takes its output (``fp8_matmul_kernel``).
 
-A program holds a row of up to 16,384 values in registers (a Llama-3-8B row is at most 14,336
+Per row (``quantize_fp8_per_token_kernel``): a program holds a row of up to 16,384 values in registers (a Llama-3-8B row is at most 14,336
 wide) and reads it once; a longer row is read twice, a chunk at a time: once for the largest
 magnitude, once to divide and store (the second read mostly from L2).
+
+Tiled (``row_chunk_amax_kernel`` then ``quantize_fp8_tiles_kernel``): small tiles, many
+programs; the first kernel writes each tile's largest magnitude per row, the second reads the
+row's few maxima and quantizes its tile. A program per row of 14,336 values leaves the load
+and store phases of a few big programs per SM unoverlapped; tiles keep the memory busy, at
+the price of reading the rows twice (the second time mostly from L2).
 
 Each value is ``e4m3(clamp(x / scale))`` exactly as the torch path computes it, at a few
 instructions a value (sm_90 offline compiles, Triton 3.6: 45 instructions a value before, 16
@@ -108,6 +114,71 @@ def quantize_fp8_per_token_kernel(
         x = tl.load(x_row + start + c, mask=mask, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(_quotient(x, scale, recip), -448.0), 448.0)
         tl.store(o_row + start + c, _e4m3(y, E4M3), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def row_chunk_amax_kernel(
+    x_ptr,
+    partial_ptr,
+    rows,
+    cols,
+    stride_x,
+    chunks,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Tiled per-token quantization, first kernel. Grid: (cdiv(rows, ROWS), cdiv(cols, BLOCK)).
+    ``partial[r, j]`` (float32, ``chunks`` per row) = the largest magnitude of row r's
+    columns ``j * BLOCK ...``: a maximum, so the chunks give the row's exactly."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    j = tl.program_id(1)
+    c = j * BLOCK + tl.arange(0, BLOCK)
+    row_ok = r < rows
+    r64 = r.to(tl.int64)
+    mask = row_ok[:, None] & (c < cols)[None, :]
+    x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+    amax = tl.reduce(tl.abs(x.to(tl.float32)), 1, tl.standard._elementwise_max)
+    tl.store(partial_ptr + r64 * chunks + j, amax, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def quantize_fp8_tiles_kernel(
+    x_ptr,
+    partial_ptr,
+    out_ptr,
+    scale_ptr,
+    rows,
+    cols,
+    stride_x,
+    stride_o,
+    min_scale,
+    CHUNKS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    E4M3: tl.constexpr,
+):
+    """Tiled per-token quantization, second kernel: a [ROWS, BLOCK] tile per program, as
+    ``quantize_fp8_per_token_kernel`` computes each value, with each row's scale from the
+    ``CHUNKS`` partial maxima of ``row_chunk_amax_kernel`` (or of a kernel that made the rows
+    and their maxima together). The programs of the first column of tiles store the scales."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = r < rows
+    r64 = r.to(tl.int64)
+    p = tl.arange(0, CHUNKS_P2)
+    part = tl.load(partial_ptr + r64[:, None] * CHUNKS + p[None, :],
+                   mask=row_ok[:, None] & (p < CHUNKS)[None, :], other=0.0)  # fmt: skip
+    amax = tl.reduce(part, 1, tl.standard._elementwise_max)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + r, scale, mask=row_ok)
+    recip = tl.math.div_rn(1.0, scale)
+    mask = row_ok[:, None] & (c < cols)[None, :]
+    x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+    y = _quotient(x.to(tl.float32), scale[:, None], recip[:, None])
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    tl.store(out_ptr + r64[:, None] * stride_o + c[None, :], _e4m3(y, E4M3), mask=mask)
 
 
 @triton.jit

@@ -23,9 +23,22 @@ KERNELS = "pagedattn_kernels.quant.triton_kernels"
 ONE_PASS_COLS = 16384
 
 
-def quantize_fp8_per_token(
-    x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+#: Rows at least this wide are quantized tiled (``quantize_fp8_tiled``) on the GPU, narrower
+#: ones by a program per row. Not yet timed on an H200 (``python -m pagedkv.bench.kernels
+#: --fp8``, ``quant[]`` rows, times both).
+TILED_MIN_COLS = 8192
+#: Elements per tile of the tiled kernels: compiled (4 warps, 16-byte loads of 16-bit values),
+#: and at most in the interpreter, which pays per operation rather than per element.
+TILE = 1024
+_INTERPRETER_TILE = 1 << 16
+
+
+def quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor,
+                           tiled: bool | None = None,
+                           block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-token e4m3 quantization of ``x [rows, cols]``; ``tiled`` None picks the tiled
+    kernels for rows of ``TILED_MIN_COLS`` or more on the GPU (``block``: their tile width,
+    for tests and benchmarks)."""
     rows, cols = x.shape
     if rows == 0:
         return out, scale_out
@@ -33,6 +46,10 @@ def quantize_fp8_per_token(
         scale_out.fill_(MIN_SCALE)
         return out, scale_out
     kernel = kernels_for(x.device, KERNELS).quantize_fp8_per_token_kernel
+    if tiled is None:
+        tiled = cols >= TILED_MIN_COLS and not is_interpreted(kernel)
+    if tiled:
+        return quantize_fp8_tiled(x, out, scale_out, block)
     # One pass over rows up to ONE_PASS_COLS wide, held in registers (16 warps: at most 32
     # float32 values per thread); longer rows in chunks of 2048 columns, read twice.
     whole = next_power_of_2(cols)
@@ -42,6 +59,51 @@ def quantize_fp8_per_token(
     kernel[(rows,)](
         x, out, scale_out, cols, x.stride(0), out.stride(0), MIN_SCALE,
         BLOCK=block, ONE_PASS=one_pass, E4M3=e4m3_encoder(kernel, x.device), num_warps=warps,
+    )  # fmt: skip
+    return out, scale_out
+
+
+def tile_shape(rows: int, cols: int, interpreted: bool, block: int | None = None) -> tuple[int, int]:
+    """``(ROWS, BLOCK)`` of the tiled kernels over ``[rows, cols]``: ``TILE`` elements
+    (``BLOCK`` columns, the whole row when shorter); in the interpreter up to 4,096 columns and
+    ``_INTERPRETER_TILE`` elements. Compiled, ROWS does not follow the row count, which changes
+    with every batch (each ROWS is another compiled kernel)."""
+    if not interpreted:
+        block = block or min(next_power_of_2(cols), TILE)
+        return max(1, TILE // block), block
+    block = block or min(next_power_of_2(cols), 4096)
+    return min(next_power_of_2(rows), max(1, _INTERPRETER_TILE // block)), block
+
+
+def quantize_fp8_tiled(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor,
+                       block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-token e4m3 quantization in two tiled kernels: each tile's largest magnitude per row
+    (``row_chunk_amax_kernel``), then the tiles quantized (``quantize_fp8_from_maxima``)."""
+    kernels = kernels_for(x.device, KERNELS)
+    rows, cols = x.shape
+    tile_rows, block = tile_shape(rows, cols, is_interpreted(kernels.row_chunk_amax_kernel), block)
+    chunks = -(-cols // block)
+    partial = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    kernels.row_chunk_amax_kernel[(-(-rows // tile_rows), chunks)](
+        x, partial, rows, cols, x.stride(0), chunks, ROWS=tile_rows, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return quantize_fp8_from_maxima(x, partial, out, scale_out, block)
+
+
+def quantize_fp8_from_maxima(x: torch.Tensor, partial: torch.Tensor, out: torch.Tensor,
+                             scale_out: torch.Tensor,
+                             block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``quantize_fp8_tiles_kernel``: ``x [rows, cols]`` to e4m3 with each row's scale from its
+    largest magnitude, given as ``partial [rows, chunks]`` float32 maxima of parts of the row
+    (any split: their maximum is the row's)."""
+    kernel = kernels_for(x.device, KERNELS).quantize_fp8_tiles_kernel
+    rows, cols = x.shape
+    chunks = partial.shape[1]
+    tile_rows, block = tile_shape(rows, cols, is_interpreted(kernel), block)
+    kernel[(-(-rows // tile_rows), -(-cols // block))](
+        x, partial, out, scale_out, rows, cols, x.stride(0), out.stride(0), MIN_SCALE,
+        CHUNKS=chunks, CHUNKS_P2=next_power_of_2(chunks), ROWS=tile_rows, BLOCK=block,
+        E4M3=e4m3_encoder(kernel, x.device), num_warps=4,
     )  # fmt: skip
     return out, scale_out
 
