@@ -412,7 +412,6 @@ def test_fused_fp8_inputs_give_the_same_logits(tiny_checkpoint, single_thread, m
     from pagedkv.engine.models import layers as model_layers
 
     monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
-    monkeypatch.setattr(model_layers, "FUSED_FP8_ACT_MIN_ROWS", 1)  # 1-row decode steps too
     cfg, model = _tiny_llama(tiny_checkpoint)
     quantize_model(model, "fp8")
     layers = list(model.layers)
@@ -441,10 +440,9 @@ def test_fused_fp8_inputs_give_the_same_logits(tiny_checkpoint, single_thread, m
     unfused = _top_logprobs(engine, prompt, "unfused")
     assert calls == before  # the second run quantized in fp8_linear only
     assert fused == unfused
-    # Below FUSED_FP8_ACT_MIN_ROWS rows the activation does not quantize (too few programs).
-    monkeypatch.setattr(model_layers, "FUSED_FP8_ACT_MIN_ROWS", 64)
-    out = model_layers.silu_and_mul(torch.randn(3, 8), fp8_out=True)
-    assert isinstance(out, torch.Tensor) and calls == before
+    # One row (a 1-sequence decode step) quantizes in the fused op too.
+    out = model_layers.silu_and_mul(torch.randn(1, 8), fp8_out=True)
+    assert isinstance(out, model_layers.Fp8Rows) and calls["act"] == before["act"] + 1
 
 
 def test_fp8_weights_of_an_unsupported_model_are_a_clear_error(tiny_checkpoint):
@@ -561,10 +559,15 @@ def test_engine_core_process_runs_fp8(checkpoints):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["fp32-accum", "fast-accum"])
 @pytest.mark.parametrize("m", [1, 7, 512])
-def test_scaled_mm_matches_the_fallback(seed, m):
+def test_scaled_mm_matches_the_fallback(seed, m, fast_accum, monkeypatch):
+    """``torch._scaled_mm`` against the float32 fallback on the same operands, with and without
+    Hopper's fast accumulation (``PAGEDKV_FP8_FAST_ACCUM``)."""
+    from pagedkv.engine.models import quantization
     from pagedkv.engine.models.quantization import quantize_weight, uses_scaled_mm
 
+    monkeypatch.setattr(quantization, "FP8_FAST_ACCUM", fast_accum)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn(6144, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
@@ -573,6 +576,7 @@ def test_scaled_mm_matches_the_fallback(seed, m):
     y = fp8_linear(x, wq, ws)
     y_ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu())
     err = (y.cpu().double() - y_ref.double()).norm() / y_ref.double().norm()
+    print(f"m={m} fast_accum={fast_accum}: rel error {err:.2e} against the fallback")
     assert err < 1e-2, f"rel error {err:.2e} (seed={seed})"
 
 

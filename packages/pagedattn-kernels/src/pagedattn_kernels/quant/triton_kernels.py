@@ -2,15 +2,16 @@
 ``triton_launch``): per-token fp8 quantization, one program per row or tiled, and the fp8
 matmul that takes its output (``fp8_matmul_kernel``).
 
-Per row (``quantize_fp8_per_token_kernel``): a program holds a row of up to 16,384 values in registers (a Llama-3-8B row is at most 14,336
-wide) and reads it once; a longer row is read twice, a chunk at a time: once for the largest
+Per row (``quantize_fp8_per_token_kernel``): a program holds a row of up to 16,384 values in
+registers (a Llama-3-8B row is at most 14,336 wide) and reads it once; a longer row is read twice, a chunk at a time: once for the largest
 magnitude, once to divide and store (the second read mostly from L2).
 
 Tiled (``row_chunk_amax_kernel`` then ``quantize_fp8_tiles_kernel``): small tiles, many
 programs; the first kernel writes each tile's largest magnitude per row, the second reads the
-row's few maxima and quantizes its tile. A program per row of 14,336 values leaves the load
-and store phases of a few big programs per SM unoverlapped; tiles keep the memory busy, at
-the price of reading the rows twice (the second time mostly from L2).
+row's few maxima and quantizes its tile. For rows already in memory a program per row is
+faster (it reads them once; the launcher's docstring has the timings), so the pair serves
+SiLU-and-multiply: its tiled kernel makes the products and their tile maxima together
+(``fused/triton_kernels.silu_and_mul_kernel``'s AMAX), and the second kernel quantizes them.
 
 Each value is ``e4m3(clamp(x / scale))`` exactly as the torch path computes it, at a few
 instructions a value (sm_90 offline compiles, Triton 3.6: 45 instructions a value before, 16

@@ -23,10 +23,6 @@ KERNELS = "pagedattn_kernels.quant.triton_kernels"
 ONE_PASS_COLS = 16384
 
 
-#: Rows at least this wide are quantized tiled (``quantize_fp8_tiled``) on the GPU, narrower
-#: ones by a program per row. Not yet timed on an H200 (``python -m pagedkv.bench.kernels
-#: --fp8``, ``quant[]`` rows, times both).
-TILED_MIN_COLS = 8192
 #: Elements per tile of the tiled kernels: compiled (4 warps, 16-byte loads of 16-bit values),
 #: and at most in the interpreter, which pays per operation rather than per element.
 TILE = 1024
@@ -34,22 +30,24 @@ _INTERPRETER_TILE = 1 << 16
 
 
 def quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor,
-                           tiled: bool | None = None,
+                           tiled: bool = False,
                            block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Per-token e4m3 quantization of ``x [rows, cols]``; ``tiled`` None picks the tiled
-    kernels for rows of ``TILED_MIN_COLS`` or more on the GPU (``block``: their tile width,
-    for tests and benchmarks)."""
+    """Per-token e4m3 quantization of ``x [rows, cols]``: a program per row, or with ``tiled``
+    the two tiled kernels (``block``: their tile width). A program per row is the default: on
+    an H200, in CUDA graphs, it was faster at every shape timed, 16-1,024 rows of 4,096 and
+    14,336 (512 x 14,336: 8.8 us against 12.5; ``python -m pagedkv.bench.kernels
+    --gemm-only``, ``quant[]``); a row read once from memory beats two lighter reads. The
+    tiled pair stays for SiLU-and-multiply, whose products are not in memory to begin with
+    (``quantize_fp8_from_maxima``), and for that benchmark."""
     rows, cols = x.shape
     if rows == 0:
         return out, scale_out
     if cols == 0:
         scale_out.fill_(MIN_SCALE)
         return out, scale_out
-    kernel = kernels_for(x.device, KERNELS).quantize_fp8_per_token_kernel
-    if tiled is None:
-        tiled = cols >= TILED_MIN_COLS and not is_interpreted(kernel)
     if tiled:
         return quantize_fp8_tiled(x, out, scale_out, block)
+    kernel = kernels_for(x.device, KERNELS).quantize_fp8_per_token_kernel
     # One pass over rows up to ONE_PASS_COLS wide, held in registers (16 warps: at most 32
     # float32 values per thread); longer rows in chunks of 2048 columns, read twice.
     whole = next_power_of_2(cols)

@@ -92,21 +92,14 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-#: Fewest rows for which SiLU-and-multiply quantizes its own output (``silu_and_mul_fp8``): it
-#: runs one program per row (the scale needs the row's largest magnitude), and a few programs
-#: cannot fill the GPU. On an H200, Llama-3-8B at 16 rows: 9.3 us per call, against 2.1 for
-#: the plain kernel plus ~2.3 for the separate quantization; at 64 rows and up the fused layer
-#: was faster (``python -m pagedkv.bench.kernels --fp8``, ``gemm_layer_fused[]``).
-FUSED_FP8_ACT_MIN_ROWS = 64
-
-
 def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Rows:
     """SwiGLU's activation on a fused gate/up projection output ``[T, 2 * I]``:
     ``silu(gate) * up`` (one fused kernel where :func:`fused_kernels_enabled`; with
-    ``fp8_out`` and at least ``FUSED_FP8_ACT_MIN_ROWS`` rows, quantized per token by that
-    kernel for an fp8 down projection)."""
+    ``fp8_out``, quantized per token by the fused op for an fp8 down projection: on an H200
+    faster than the plain kernel and a separate quantization from 16 rows to 1,024,
+    ``pagedattn_kernels.fused.triton_launch.silu_and_mul`` has the timings)."""
     if fused_kernels_enabled(x.device):
-        if fp8_out and x.shape[-1] // 2 <= MAX_HIDDEN and x.shape[0] >= FUSED_FP8_ACT_MIN_ROWS:
+        if fp8_out and x.shape[-1] // 2 <= MAX_HIDDEN:
             return Fp8Rows(*pagedattn_kernels.silu_and_mul_fp8(x), x.dtype)
         return pagedattn_kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
