@@ -345,8 +345,9 @@ def test_fp8_linear_fallback_is_the_quantized_product(seed, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_takes_fp8_matmul_for_few_rows(seed, dtype, monkeypatch):
     """Up to ``FP8_MATMUL_MAX_ROWS`` rows (from ``PAGEDKV_FP8_MATMUL_MAX_ROWS``; 0 = never)
-    ``fp8_linear`` calls ``pagedattn_kernels.fp8_matmul``: the same arithmetic as the
-    float32 fallback, so on the CPU the same bits; more rows keep the other path."""
+    ``fp8_linear`` calls ``pagedattn_kernels.fp8_matmul`` (on the GPU; here the CPU is let
+    in): the same arithmetic as the float32 fallback, so on the CPU the same bits; more rows
+    keep the other path. Without the CPU in ``FP8_MATMUL_DEVICES`` it is never called here."""
     import pagedattn_kernels
     from pagedkv.engine.models import quantization
     from pagedkv.engine.models.quantization import Fp8Rows, quantize_weight
@@ -358,14 +359,18 @@ def test_fp8_linear_takes_fp8_matmul_for_few_rows(seed, dtype, monkeypatch):
     real = pagedattn_kernels.fp8_matmul
     monkeypatch.setattr(pagedattn_kernels, "fp8_matmul",
                         lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))  # fmt: skip
+    assert quantization.FP8_MATMUL_MAX_ROWS == 64  # the default (decode batches on the GPU)
+    fp8_linear(torch.randn(2, 48).to(dtype), wq, ws)
+    assert calls == [], "the CPU took fp8_matmul without being let in"
+    monkeypatch.setattr(quantization, "FP8_MATMUL_DEVICES", ("cuda", "cpu"))
     for rows in (1, 7, 9):
         x = (torch.randn(rows, 48, generator=gen) * 3).to(dtype)
+        monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 0)
         fallback = fp8_linear(x, wq, ws)
         q, xs = pagedattn_kernels.quantize_fp8_per_token(x)
         monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 8)
         assert torch.equal(fp8_linear(x, wq, ws), fallback), f"rows={rows} (seed={seed})"
         assert torch.equal(fp8_linear(Fp8Rows(q, xs, dtype), wq, ws), fallback)
-        monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 0)
     assert calls == [1, 1, 7, 7], calls
 
 
@@ -568,6 +573,7 @@ def test_scaled_mm_matches_the_fallback(seed, m, fast_accum, monkeypatch):
     from pagedkv.engine.models.quantization import quantize_weight, uses_scaled_mm
 
     monkeypatch.setattr(quantization, "FP8_FAST_ACCUM", fast_accum)
+    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 0)  # _scaled_mm at every size
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn(6144, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
@@ -593,6 +599,7 @@ def test_fp8_matmul_matches_scaled_mm(seed, m, monkeypatch):
     x = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn(6144, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
     wq, ws = quantize_weight(w)
+    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 0)
     y_scaled_mm = fp8_linear(x, wq, ws)
     monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 64)
     y = fp8_linear(x, wq, ws)
