@@ -41,9 +41,9 @@
 #     scripts/fp8_weight_only_gemm.py: a weight-only fp8 GEMM (e4m3 weights widened in the
 #     kernel, bf16 activations) against bf16 F.linear and fp8_linear at M = 1-128, the four
 #     Llama-3-8B linear shapes                    -> fp8_weight_only_gemm.json
-#   bash scripts/gpu_fp8.sh fp8fast            # ~2 min, carrying .gpu_data
-#     the fp8 run with torch._scaled_mm's fast accumulation (PAGEDKV_FP8_FAST_ACCUM=1)
-#                                                  -> ..._real_fp8_fast.json
+#   bash scripts/gpu_fp8.sh fp8exact           # ~2 min, carrying .gpu_data
+#     the fp8 run without torch._scaled_mm's fast accumulation (PAGEDKV_FP8_FAST_ACCUM=0)
+#                                                  -> ..._real_fp8_exact.json
 #   bash scripts/gpu_fp8.sh accuracy           # ~1 min, with the embedded model joined
 #     `python -m pagedkv.bench.fp8_accuracy` in bf16 on the GPU: greedy agreement of fp8 KV,
 #     fp8 weights and both with bf16, 64 prompts x 64 tokens -> fp8_accuracy_smollm2_bf16.json
@@ -175,10 +175,10 @@ for part in "${parts[@]}"; do
       PAGEDKV_FP8_MATMUL_MAX_ROWS="${SWAP_ROWS:-0}" \
         throughput _fp8_swap --kv-cache-dtype fp8 --quantization fp8
       ;;
-    fp8fast)
-      # The fp8 run with torch._scaled_mm's fast accumulation (PAGEDKV_FP8_FAST_ACCUM=1)
-      PAGEDKV_FP8_FAST_ACCUM=1 \
-        throughput _fp8_fast --kv-cache-dtype fp8 --quantization fp8
+    fp8exact)
+      # The fp8 run without torch._scaled_mm's fast accumulation (PAGEDKV_FP8_FAST_ACCUM=0)
+      PAGEDKV_FP8_FAST_ACCUM=0 \
+        throughput _fp8_exact --kv-cache-dtype fp8 --quantization fp8
       ;;
     accuracy)
       if [[ "$SMOKE" == 1 ]]; then
@@ -218,6 +218,6 @@ for part in "${parts[@]}"; do
       echo "    exit $?"
       grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
       ;;
-    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8fast, profile, accuracy, diagnose, weightonly)" ;;
+    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8exact, profile, accuracy, diagnose, weightonly)" ;;
   esac
 done
