@@ -420,10 +420,10 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
                 silu_out = {k: (torch.empty(m, cols, dtype=FP8, device=dev),
                                 torch.empty(m, 1, device=dev)) for k in ("per_row", "tiled")}  # fmt: skip
 
-                def silu_per_row(g=g, o=silu_out["per_row"]) -> None:
+                def silu_per_row(g=g, o=silu_out["per_row"], cols=cols) -> None:
                     fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=False)
 
-                def silu_tiled(g=g, o=silu_out["tiled"]) -> None:
+                def silu_tiled(g=g, o=silu_out["tiled"], cols=cols) -> None:
                     fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=True)
 
                 def silu_then_quant(g=g) -> Any:

@@ -3,8 +3,9 @@
 matmul that takes its output (``fp8_matmul_kernel``).
 
 Per row (``quantize_fp8_per_token_kernel``): a program holds a row of up to 16,384 values in
-registers (a Llama-3-8B row is at most 14,336 wide) and reads it once; a longer row is read twice, a chunk at a time: once for the largest
-magnitude, once to divide and store (the second read mostly from L2).
+registers (a Llama-3-8B row is at most 14,336 wide) and reads it once; a longer row is read
+twice, a chunk at a time: once for the largest magnitude, once to divide and store (the second
+read mostly from L2).
 
 Tiled (``row_chunk_amax_kernel`` then ``quantize_fp8_tiles_kernel``): small tiles, many
 programs; the first kernel writes each tile's largest magnitude per row, the second reads the
