@@ -114,6 +114,16 @@ throughput() {  # throughput SUFFIX [options...]
   [[ -f $json ]] && "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('output_tok_s','roofline_frac','decode_step_ms','decode_step_bound_ms','num_gpu_blocks','kv_cache_dtype','quantization','workload','ratio_vs_hf')})" "$json"
 }
 
+kernel_bench() {  # kernel_bench LOG JSON TIMEOUT LINES KEYS [benchmark options...]
+  local log="$OUT/$1.log" json="$OUT/$2.json" limit=$3 lines=$4 keys=$5; shift 5
+  timeout "$limit" "$PYTHON" -m pagedkv.bench.kernels "$@" --commit "${PAGEDKV_COMMIT:-}" > "$log" 2>&1
+  echo "    exit $?"
+  tail -1 "$log" > "$json"
+  grep -E "^($lines)" "$log" | tail -30
+  "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(($keys))})" "$json" \
+    || echo "$json: no JSON line (see $log)"
+}
+
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
@@ -126,26 +136,16 @@ for part in "${parts[@]}"; do
     kernels)
       echo "=== kernel benchmark with the fp8 rows"
       if [[ "$SMOKE" == 1 ]]; then kargs=(--quick --fp8-only); else kargs=(--fp8 --budget-s 200); fi
-      timeout 420 "$PYTHON" -m pagedkv.bench.kernels "${kargs[@]}" --commit "${PAGEDKV_COMMIT:-}" \
-        > "$OUT/kernels_fp8.log" 2>&1
-      echo "    exit $?"
-      tail -1 "$OUT/kernels_fp8.log" > "$OUT/kernels.json"
-      grep -E "^(decode fp8|prefill fp8|prefill N|gemm layer)" "$OUT/kernels_fp8.log" | tail -30
-      "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(('gemm_fp8', 'decode_fp8', 'prefill_fp8', 'prefill_vs'))})" "$OUT/kernels.json" \
-        || echo "kernels.json: no JSON line (see kernels_fp8.log)"
+      kernel_bench kernels_fp8 kernels 420 "decode fp8|prefill fp8|prefill N|gemm layer" \
+        "'gemm_fp8', 'decode_fp8', 'prefill_fp8', 'prefill_vs'" "${kargs[@]}"
       ;;
     gemm)
       # The fp8 GEMM rows and the quantization kernels that feed them (a program per row
       # against tiled), without the rest of the kernel benchmark
       echo "=== fp8 GEMMs and quantization kernels"
       if [[ "$SMOKE" == 1 ]]; then kargs=(--quick --gemm-only); else kargs=(--gemm-only); fi
-      timeout 240 "$PYTHON" -m pagedkv.bench.kernels "${kargs[@]}" --commit "${PAGEDKV_COMMIT:-}" \
-        > "$OUT/kernels_gemm.log" 2>&1
-      echo "    exit $?"
-      tail -1 "$OUT/kernels_gemm.log" > "$OUT/kernels_fp8_gemm.json"
-      grep -E "^(quant M|gemm layer)" "$OUT/kernels_gemm.log" | tail -30
-      "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k.startswith(('gemm_fp8', 'quant_', 'silu_fp8'))})" "$OUT/kernels_fp8_gemm.json" \
-        || echo "kernels_fp8_gemm.json: no JSON line (see kernels_gemm.log)"
+      kernel_bench kernels_gemm kernels_fp8_gemm 240 "quant M|gemm layer" \
+        "'gemm_fp8', 'quant_', 'silu_fp8'" "${kargs[@]}"
       ;;
     bf16)
       throughput "" "${baselines[@]}"
