@@ -119,6 +119,20 @@ def test_fp8_kernel_rows_on_the_cpu():
     assert heads["gemm_fp8_vs_16bit_m512"] is None  # not measured at M = 512 on the CPU
 
 
+def test_gemm_only_runs_just_the_gemm_and_quant_rows(capsys):
+    """``--gemm-only`` (``scripts/gpu_fp8.sh gemm``): the GEMM rows and the quantizer rows
+    (empty on the CPU: the Triton kernels are not timed in the interpreter), no attention."""
+    from pagedkv.bench.kernels import main
+
+    out = main(["--quick", "--gemm-only"])
+    assert out["decode"] == out["prefill"] == out["fused"] == []
+    assert out["decode_fp8"] == out["prefill_fp8"] == [] and out["quant"] == []
+    assert [r["m"] for r in out["gemm_layer"]] == [16, 64]
+    assert [r["m"] for r in out["gemm_layer_fused"]] == [16, 64]
+    assert "quant_tiled_vs_per_row_m512_c14336" in out and "silu_fp8_tiled_vs_per_row_m512" in out
+    assert "quant: the Triton kernels need a GPU" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- roofline
 
 

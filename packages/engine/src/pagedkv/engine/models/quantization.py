@@ -112,6 +112,16 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _fp8_tensor_cores(index) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
+def takes_fp8_matmul(q: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` sends these quantized rows to ``pagedattn_kernels.fp8_matmul``:
+    at most ``FP8_MATMUL_MAX_ROWS`` of them, on a device of ``FP8_MATMUL_DEVICES`` and, on a
+    GPU, one with fp8 tensor cores (the kernel's e4m3 conversions need compute capability 8.9;
+    older GPUs keep the float32 fallback)."""
+    if q.shape[0] > FP8_MATMUL_MAX_ROWS or q.device.type not in FP8_MATMUL_DEVICES:
+        return False
+    return q.device.type != "cuda" or uses_scaled_mm(q, weight)
+
+
 def fp8_linear(
     x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
@@ -126,7 +136,7 @@ def fp8_linear(
     else:
         shape, dtype = x.shape, x.dtype
         q, x_scale = pagedattn_kernels.quantize_fp8_per_token(x.reshape(-1, shape[-1]))
-    if q.shape[0] <= FP8_MATMUL_MAX_ROWS and q.device.type in FP8_MATMUL_DEVICES:
+    if takes_fp8_matmul(q, weight):
         y = pagedattn_kernels.fp8_matmul(q, x_scale, weight, weight_scale, out_dtype=dtype)
     elif uses_scaled_mm(q, weight):
         # Row-wise scaling produces bfloat16 only; other model dtypes are cast after.
