@@ -61,7 +61,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: PROFILE_BATCHES (16,48), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -162,7 +162,7 @@ for part in "${parts[@]}"; do
       for kind in bf16 fp8; do
         extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
         echo "=== decode step profile ($kind)"
-        timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes 16,48 --context 900 \
+        timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes "${PROFILE_BATCHES:-16,48}" --context 900 \
           --steps 16 --warmup-steps 4 --profile-steps 4 "${model[@]}" "${extra[@]}" \
           --output-json "$OUT/decode_profile_${kind}.json" > "$OUT/decode_profile_${kind}.log" 2>&1
         echo "    exit $?"
