@@ -116,10 +116,10 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     with ``fp8_out = (q [rows, inter] e4m3, scale [rows, 1] float32)`` quantized per token
     there (``out`` then only gives the dtype and is not written), tiled or a program per row.
 
-    ``tiled`` None: tiled when compiled. On an H200 (Llama-3-8B's 14,336, CUDA graphs) tiled
-    took 3.7 / 10.2 / 19.7 / 37.5 us at 16 / 256 / 512 / 1,024 rows against 6.5 / 12.7 / 24.5
-    / 50.9 for a program per row (98 registers x 512 threads: one program per SM, whose load,
-    reduction and store phases do not overlap) and 4.8 / 12.7 / 24.8 / 46.8 for the plain
+    ``tiled`` None: tiled when compiled. On an H200 (Llama-3-8B's 14,336, CUDA graphs, dda1cca)
+    tiled took 3.7 / 10.1 / 19.7 / 37.4 us at 16 / 256 / 512 / 1,024 rows against 6.5 / 12.6 /
+    24.5 / 50.9 for a program per row (98 registers x 512 threads: one program per SM, whose
+    load, reduction and store phases do not overlap) and 4.3 / 10.2 / 21.3 / 44.2 for the plain
     kernel then the quantization (``python -m pagedkv.bench.kernels --gemm-only``,
     ``quant[]``). A program per row in the interpreter, where programs cost most."""
     num_rows = x.shape[0]

@@ -96,7 +96,7 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Ro
     """SwiGLU's activation on a fused gate/up projection output ``[T, 2 * I]``:
     ``silu(gate) * up`` (one fused kernel where :func:`fused_kernels_enabled`; with
     ``fp8_out``, quantized per token by the fused op for an fp8 down projection: on an H200
-    faster than the plain kernel and a separate quantization from 16 rows to 1,024,
+    as fast as the plain kernel and a separate quantization or faster, from 16 rows to 1,024:
     ``pagedattn_kernels.fused.triton_launch.silu_and_mul`` has the timings)."""
     if fused_kernels_enabled(x.device):
         if fp8_out and x.shape[-1] // 2 <= MAX_HIDDEN:
