@@ -278,7 +278,7 @@ def _fp8_variants() -> None:
             for tiled in (False, True):
                 quant.quantize_fp8_per_token(x, torch.empty(4, cols, dtype=kc.dtype),
                                              torch.empty(4, 1), tiled=tiled)  # fmt: skip
-        for m in (1, 16, 64):  # the fp8 matmul at decode batch sizes (its default tiles)
+        for m in (1, 16, 64, 128):  # the fp8 matmul at decode batch sizes (its default tiles)
             wq = torch.empty(6144, 4096, dtype=kc.dtype)
             for split in (0, 4):  # the launcher's split (none here: 4 stub SMs), and four
                 quant.fp8_matmul(torch.empty(m, 4096, dtype=kc.dtype), torch.ones(m), wq,

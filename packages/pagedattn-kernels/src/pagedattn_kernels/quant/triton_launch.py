@@ -124,6 +124,11 @@ class Fp8MatmulConfig:
 # Not yet timed on an H200 (scripts/fp8_weight_only_gemm.py sweeps these against
 # torch._scaled_mm): 128 x 128 bytes of weights per stage, four stages in flight.
 FP8_MATMUL_CONFIG = Fp8MatmulConfig()
+#: Most tokens per tile (the wgmma's N side, which goes to 256): 65-128 rows in one tile read
+#: the weights once instead of twice. The engine sends at most 64 rows here by default
+#: (``pagedkv.engine.models.quantization.FP8_MATMUL_MAX_ROWS``); 65-128 in one tile is not
+#: yet timed.
+MAX_BLOCK_M = 128
 _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
 
 
@@ -164,7 +169,9 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     kernels = kernels_for(xq.device, KERNELS)
     interpreted = is_interpreted(kernels.fp8_matmul_kernel)
     cfg = config or (_INTERPRETER_CONFIG if interpreted else FP8_MATMUL_CONFIG)
-    block_m = min(64, max(16, next_power_of_2(m)))
+    block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
+    # A 128 x 128 float32 accumulator over 4 warps would take 128 registers a thread.
+    num_warps = cfg.num_warps if block_m <= 64 or interpreted else max(cfg.num_warps, 8)
     grid_nm = (-(-n // cfg.block_n), -(-m // block_m))
     k_iters = -(-k // cfg.block_k)
     sms = sm_count(xq.device)
@@ -181,7 +188,7 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
