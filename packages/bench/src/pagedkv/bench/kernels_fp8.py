@@ -386,6 +386,16 @@ def bench_layer_fused(setup: Setup, gen: torch.Generator) -> list[dict]:
 QUANT_TOKENS = [16, 64, 256, 512, 1024]
 
 
+def _fp8_rows(m: int, cols: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output buffers of a per-token quantization: e4m3 codes and float32 scales."""
+    return torch.empty(m, cols, dtype=FP8, device=dev), torch.empty(m, 1, device=dev)
+
+
+def _same_fp8(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    """Bit for bit (fp8 codes as bytes, so -0 is not +0)."""
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
 def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict]:
     """Per-token quantization of a decode step's activations, a program per row against
     tiled (``pagedattn_kernels.quant.triton_launch.quantize_fp8_per_token``'s ``tiled``), at
@@ -405,8 +415,7 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
     for m in [4, 16] if setup.quick else QUANT_TOKENS:
         for cols in widths:
             x = torch.randn(m, cols, generator=gen, device=dev).to(dtype)
-            outs = {k: (torch.empty(m, cols, dtype=FP8, device=dev),
-                        torch.empty(m, 1, device=dev)) for k in ("per_row", "tiled")}  # fmt: skip
+            outs = {k: _fp8_rows(m, cols, dev) for k in ("per_row", "tiled")}
 
             def per_row(x=x, o=outs["per_row"]) -> Any:
                 return quant_launch.quantize_fp8_per_token(x, *o, tiled=False)
@@ -417,8 +426,7 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
             fns = {"per_row": per_row, "tiled": tiled}
             if cols == widths[-1]:
                 g = torch.randn(m, 2 * cols, generator=gen, device=dev).to(dtype)
-                silu_out = {k: (torch.empty(m, cols, dtype=FP8, device=dev),
-                                torch.empty(m, 1, device=dev)) for k in ("per_row", "tiled")}  # fmt: skip
+                silu_out = {k: _fp8_rows(m, cols, dev) for k in ("per_row", "tiled")}
 
                 def silu_per_row(g=g, o=silu_out["per_row"], cols=cols) -> None:
                     fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=False)
@@ -434,11 +442,9 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
             for fn in fns.values():
                 fn()
             row: dict[str, Any] = {"m": m, "cols": cols,
-                                   "same": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                               for a, b in zip(outs["per_row"], outs["tiled"]))}  # fmt: skip
+                                   "same": _same_fp8(outs["per_row"], outs["tiled"])}  # fmt: skip
             if "silu_tiled" in fns:
-                row["silu_same"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                       for a, b in zip(silu_out["per_row"], silu_out["tiled"]))  # fmt: skip
+                row["silu_same"] = _same_fp8(silu_out["per_row"], silu_out["tiled"])
             for name, fn in fns.items():
                 seconds = _time_graph(fn, dev) or _time(fn, dev)
                 need = m * cols * (2 * x.element_size() if name.startswith("silu") else

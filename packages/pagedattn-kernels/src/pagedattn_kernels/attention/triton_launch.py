@@ -91,10 +91,10 @@ def decode_config(
     pipeline stage keeps as many bytes in flight (3 x 32 KB of K and V per program). With
     ``num_pairs`` (sequences x KV heads) of ``FP8_NARROW_TILE_PAIRS`` or more, 64-token tiles
     of two warps instead: many small programs. On an H200 (Llama-3-8B heads, CUDA graphs;
-    ``docs/performance/gpu_runs/2026-12-01f/decode_key_major_28a3833.log``) they read 74.0% of the copy bandwidth at 64 x 4k against
-    69.3%, 74.5% against 69.2% at 256 x 2k, 66.5% against 59.3% at 256 x 512; with fewer
-    pairs they lose (43.0% against 61.7% at 16 x 8k, 36.1% against 47.3% at 1 x 32k) and
-    break even at 48 x 900."""
+    ``docs/performance/gpu_runs/2026-12-01f/decode_key_major_28a3833.log``) they read 74.0% of
+    the copy bandwidth at 64 x 4k against 69.3%, 74.5% against 69.2% at 256 x 2k, 66.5%
+    against 59.3% at 256 x 512; with fewer pairs they lose (43.0% against 61.7% at 16 x 8k,
+    36.1% against 47.3% at 1 x 32k) and break even at 48 x 900."""
     if interpreted:  # the interpreter pays per operation: few, wide tiles
         return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
     dpad = padded_head_dim(head_dim)

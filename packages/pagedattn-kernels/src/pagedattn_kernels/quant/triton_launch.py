@@ -61,7 +61,8 @@ def quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor, scale_out: torch.
     return out, scale_out
 
 
-def tile_shape(rows: int, cols: int, interpreted: bool, block: int | None = None) -> tuple[int, int]:
+def tile_shape(rows: int, cols: int, interpreted: bool,
+               block: int | None = None) -> tuple[int, int]:  # fmt: skip
     """``(ROWS, BLOCK)`` of the tiled kernels over ``[rows, cols]``: ``TILE`` elements
     (``BLOCK`` columns, the whole row when shorter); in the interpreter up to 4,096 columns and
     ``_INTERPRETER_TILE`` elements. Compiled, ROWS does not follow the row count, which changes
