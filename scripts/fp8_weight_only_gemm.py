@@ -139,11 +139,19 @@ CONFIGS = [Config("dot", 64, 128, 0, 4, 4), Config("dot", 128, 128, 0, 4, 4),
 # pagedattn_kernels.fp8_matmul (fp8 x fp8, operands swapped): 64 or 128 weight rows per
 # wgmma tile, 128-256 bytes of K per stage; sm_90 offline compiles (Triton 3.6): all QGMMA,
 # 70-153 instructions per loop step, 38-154 registers, 40-144 KB of shared memory
-SWAP_CONFIGS = [Fp8MatmulConfig(128, 128, 0, 4, 4), Fp8MatmulConfig(64, 128, 0, 4, 4),
-                Fp8MatmulConfig(128, 256, 0, 4, 3), Fp8MatmulConfig(64, 256, 0, 4, 4),
-                Fp8MatmulConfig(128, 128, 0, 8, 4), Fp8MatmulConfig(128, 128, 1, 4, 4),
+C = Fp8MatmulConfig
+SWAP_CONFIGS = [C(128, 128, 0, 4, 4), C(64, 128, 0, 4, 4), C(128, 256, 0, 4, 3),
+                C(64, 256, 0, 4, 4), C(128, 128, 0, 8, 4), C(128, 128, 1, 4, 4),
                 # the default with its split-K merged by a second kernel, not by the last split
-                Fp8MatmulConfig(128, 128, 0, 4, 4, merge_here=False)]  # fmt: skip
+                C(128, 128, 0, 4, 4, merge_here=False),
+                # fast accumulation (no promotion to float32 per K block), as _scaled_mm's
+                # default in the engine; deeper pipelines; fixed splits; more, smaller programs
+                C(128, 128, 0, 4, 4, promote=False), C(128, 128, 0, 4, 6, promote=False),
+                C(128, 256, 0, 4, 4, promote=False), C(64, 128, 0, 4, 6, promote=False),
+                C(64, 256, 0, 4, 4, promote=False), C(128, 128, 0, 4, 6),
+                C(128, 128, 2, 4, 6, promote=False), C(128, 128, 4, 4, 6, promote=False),
+                C(64, 128, 1, 4, 8, promote=False), C(128, 128, 0, 8, 6, promote=False),
+                C(128, 256, 0, 8, 4, promote=False)]  # fmt: skip
 
 
 def block_m_for(m: int, kind: str) -> int:
@@ -272,6 +280,8 @@ def rotating(fn, weights: list[torch.Tensor]):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    ap.add_argument("--only", default="", help="comma-separated variants to time (default: "
+                    "all of bf16, fp8_linear, fp8_prequant, swap_fp8, wo_fp8)")
     add_common_args(ap, budget_s=150.0)
     args = ap.parse_args()
     if (code := check_or_gpu(args, check)) is not None:
@@ -307,7 +317,8 @@ def main() -> int:
             for cfg in SWAP_CONFIGS:
                 info = {"kind": "swap", "block_n": cfg.block_n, "block_k": cfg.block_k,
                         "split_k": cfg.split_k, "num_warps": cfg.num_warps,
-                        "num_stages": cfg.num_stages, "merge_here": cfg.merge_here}  # fmt: skip
+                        "num_stages": cfg.num_stages, "merge_here": cfg.merge_here,
+                        "promote": cfg.promote}  # fmt: skip
                 variants.append(("swap_fp8", info, make_swap(xq, xs, ws, n, cfg), wqs,
                                  n * k + 4 * n))  # fmt: skip
             for cfg in CONFIGS:
@@ -318,7 +329,10 @@ def main() -> int:
                         "block_n": cfg.block_n, "block_k": cfg.block_k, "split_k": split,
                         "num_warps": cfg.warps, "num_stages": cfg.stages}  # fmt: skip
                 variants.append(("wo_fp8", info, launch, wqs, n * k + 4 * n))
+            only = set(filter(None, args.only.split(",")))
             for variant, info, fn, weights, w_bytes in variants:
+                if only and variant not in only:
+                    continue
                 if time.monotonic() > deadline:
                     break
                 row = {"op": name, "n": n, "k": k, "m": m, "variant": variant, **(info or {})}
@@ -356,8 +370,27 @@ def main() -> int:
                     total[f"{variant}_vs_bf16"] = total["bf16_us"] / total[f"{variant}_us"]
         layer.append(total)
         log.info("layer M=%-4d %s", m, {key: round(v, 3) for key, v in total.items()})
+    # swap_fp8 per config: the layer's sum with one config for all four shapes (what the
+    # engine runs), fastest first per M
+    swap_layer = []
+    for m in args.m:
+        sums: dict[tuple, list[float]] = {}
+        for r in rows:
+            if r["m"] == m and r["variant"] == "swap_fp8" and "us" in r:
+                key = tuple(r[f] for f in ("block_n", "block_k", "split_k", "num_warps",
+                                           "num_stages", "merge_here", "promote"))  # fmt: skip
+                sums.setdefault(key, []).append(r["us"])
+        bf16_us = next((t["bf16_us"] for t in layer if t["m"] == m and "bf16_us" in t), None)
+        for key, us in sorted(sums.items(), key=lambda kv: sum(kv[1])):
+            if len(us) == len(layers):
+                row = {"m": m, "config": key, "us": sum(us)}
+                if bf16_us:
+                    row["vs_bf16"] = bf16_us / sum(us)
+                swap_layer.append(row)
+                log.info("swap layer M=%-4d %-40s %7.1f us %s", m, key, sum(us),
+                         f"{bf16_us / sum(us):.2f}x bf16" if bf16_us else "")
     write_result(args, "fp8_weight_only_gemm", "fp8_weight_only_gemm.py", copy_bw_TBps=copy_bw,
-                 sms=sms, rows=rows, layer=layer)
+                 sms=sms, rows=rows, layer=layer, swap_layer=swap_layer)
     return 0
 
 

@@ -219,6 +219,7 @@ def fp8_matmul_kernel(
     MERGE_HERE: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
@@ -241,7 +242,9 @@ def fp8_matmul_kernel(
     (the same result on every run), stores y and zeroes the count again. That saves a launch
     per matmul, about 3 us each in a decode step of 16 sequences on an H200 (128 of them).
     Without SPLIT: scaled and stored in y's dtype. UPCAST: the interpreter, which has no fp8
-    dot: float32 operands, which hold e4m3 values exactly."""
+    dot: float32 operands, which hold e4m3 values exactly. PROMOTE: add each BLOCK_K slice's
+    fp8 MMA sum into the float32 accumulator (exact accumulation); without it the MMA
+    accumulates in its own narrower format throughout (cuBLAS's "fast accumulation")."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -262,11 +265,13 @@ def fp8_matmul_kernel(
             x = tl.load(x_ptrs + k, mask=(k + rk < K)[:, None], other=0.0)
         if UPCAST:
             acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:
+        elif PROMOTE:
             # Hopper's fp8 MMA keeps fewer bits than fp32 while it accumulates: promote each
             # BLOCK_K slice into the fp32 accumulator (as cuBLAS does without fast accumulation).
-            # Unpromoted, an H200 was 1.1-2.75x past the test's bound at K = 4096.
+            # Unpromoted, an H200 was 1.1-2.75x past the exact-accumulation bound at K = 4096.
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(w, x, acc)
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     if not SPLIT:
         _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask)

@@ -112,7 +112,9 @@ class Fp8MatmulConfig:
     """Tiles of ``fp8_matmul_kernel``: ``block_n`` weight rows (the tensor-core tile's M
     side: 64 or 128 for wgmma) and ``block_k`` columns per step; ``split_k`` 0 picks the
     split that fills the SMs (``auto_split``). ``merge_here``: a split matmul's last split
-    per tile sums the partials (the kernel's MERGE_HERE), else a second kernel does."""
+    per tile sums the partials (the kernel's MERGE_HERE), else a second kernel does.
+    ``promote``: exact float32 accumulation (the kernel's PROMOTE), else the tensor cores'
+    fast accumulation, as ``torch._scaled_mm(use_fast_accum=True)``."""
 
     block_n: int = 128
     block_k: int = 128
@@ -120,6 +122,7 @@ class Fp8MatmulConfig:
     num_warps: int = 4
     num_stages: int = 4
     merge_here: bool = True
+    promote: bool = True
 
 
 # Not yet timed on an H200 (scripts/fp8_weight_only_gemm.py sweeps these against
@@ -189,7 +192,7 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
-        num_warps=num_warps, num_stages=cfg.num_stages,
+        PROMOTE=cfg.promote, num_warps=num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
