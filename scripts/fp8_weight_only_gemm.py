@@ -23,6 +23,8 @@ and two fp8 x fp8 variants on rows already quantized (as the fused norms and SiL
 three of the four linear layers):
 
   fp8_prequant  ``fp8_linear`` on ``Fp8Rows``: torch._scaled_mm alone
+  swap_pick     ``pagedattn_kernels.fp8_matmul`` as the engine calls it: its own tiles per
+                shape (``pick_config``) and fast accumulation
   swap_fp8      ``pagedattn_kernels.fp8_matmul``: the operands swapped, weight rows on the
                 wgmma tile's 64/128-row side, the tokens on its N side, no conversion at all
 
@@ -152,6 +154,15 @@ SWAP_CONFIGS = [C(128, 128, 0, 4, 4), C(64, 128, 0, 4, 4), C(128, 256, 0, 4, 3),
                 C(128, 128, 2, 4, 6, promote=False), C(128, 128, 4, 4, 6, promote=False),
                 C(64, 128, 1, 4, 8, promote=False), C(128, 128, 0, 8, 6, promote=False),
                 C(128, 256, 0, 8, 4, promote=False)]  # fmt: skip
+# --swap-set refine: around the winners of the broad set (f534e71), fast accumulation only
+SWAP_REFINE = [C(64, 128, 1, 4, s, promote=False) for s in (6, 8, 10, 12)] + [
+    C(64, 128, 2, 4, 8, promote=False), C(64, 256, 1, 4, 4, promote=False),
+    C(64, 256, 1, 4, 6, promote=False), C(64, 256, 0, 4, 6, promote=False),
+    C(64, 256, 2, 4, 4, promote=False), C(64, 256, 4, 4, 4, promote=False),
+    C(64, 256, 0, 4, 4, merge_here=False, promote=False),
+    C(128, 128, 1, 4, 3, promote=False), C(128, 128, 1, 4, 4, promote=False),
+    C(128, 128, 1, 4, 6, promote=False), C(128, 256, 1, 4, 3, promote=False),
+    C(128, 128, 1, 8, 4, promote=False)]  # fmt: skip
 
 
 def block_m_for(m: int, kind: str) -> int:
@@ -280,6 +291,8 @@ def rotating(fn, weights: list[torch.Tensor]):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    ap.add_argument("--swap-set", choices=("broad", "refine"), default="broad",
+                    help="the swap_fp8 configs: SWAP_CONFIGS or SWAP_REFINE")
     ap.add_argument("--only", default="", help="comma-separated variants to time (default: "
                     "all of bf16, fp8_linear, fp8_prequant, swap_fp8, wo_fp8)")
     add_common_args(ap, budget_s=150.0)
@@ -314,7 +327,11 @@ def main() -> int:
             variants.append(("fp8_prequant", None,
                              lambda w, rows8=rows8, ws=ws: fp8_linear(rows8, w, ws), wqs,
                              n * k + 4 * n))  # fmt: skip
-            for cfg in SWAP_CONFIGS:
+            # the engine's path: fp8_matmul's own per-shape pick, fast accumulation
+            variants.append(("swap_pick", None,
+                             lambda w, xq=xq, xs=xs, ws=ws: pagedattn_kernels.fp8_matmul(
+                                 xq, xs, w, ws, fast_accum=True), wqs, n * k + 4 * n))
+            for cfg in SWAP_CONFIGS if args.swap_set == "broad" else SWAP_REFINE:
                 info = {"kind": "swap", "block_n": cfg.block_n, "block_k": cfg.block_k,
                         "split_k": cfg.split_k, "num_warps": cfg.num_warps,
                         "num_stages": cfg.num_stages, "merge_here": cfg.merge_here,
@@ -360,12 +377,12 @@ def main() -> int:
     layer = []
     for m in args.m:
         total = {"m": m}
-        for variant in ("bf16", "fp8_linear", "fp8_prequant", "swap_fp8", "wo_fp8"):
+        for variant in ("bf16", "fp8_linear", "fp8_prequant", "swap_pick", "swap_fp8", "wo_fp8"):
             ops = [best.get((m, name, variant)) for name in layers]
             if all(ops):
                 total[f"{variant}_us"] = sum(r["us"] for r in ops)
         if "bf16_us" in total:
-            for variant in ("fp8_linear", "fp8_prequant", "swap_fp8", "wo_fp8"):
+            for variant in ("fp8_linear", "fp8_prequant", "swap_pick", "swap_fp8", "wo_fp8"):
                 if f"{variant}_us" in total:
                     total[f"{variant}_vs_bf16"] = total["bf16_us"] / total[f"{variant}_us"]
         layer.append(total)

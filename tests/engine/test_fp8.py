@@ -587,11 +587,13 @@ def test_scaled_mm_matches_the_fallback(seed, m, fast_accum, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_fp8_matmul_matches_scaled_mm(seed, m, monkeypatch):
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["fp32-accum", "fast-accum"])
+@pytest.mark.parametrize("m", [1, 16, 64, 128])
+def test_fp8_matmul_matches_scaled_mm(seed, m, fast_accum, monkeypatch):
     """The swapped Triton fp8 matmul against ``torch._scaled_mm`` on the same quantized
     operands: both exact products summed in float32, so equal up to the sums' order and the
-    bf16 output's rounding."""
+    bf16 output's rounding; with fast accumulation (``PAGEDKV_FP8_FAST_ACCUM``, both kernels
+    sum in the tensor cores' narrower format) within twice that bound."""
     from pagedkv.engine.models import quantization
     from pagedkv.engine.models.quantization import quantize_weight
 
@@ -599,12 +601,13 @@ def test_fp8_matmul_matches_scaled_mm(seed, m, monkeypatch):
     x = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn(6144, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
     wq, ws = quantize_weight(w)
+    monkeypatch.setattr(quantization, "FP8_FAST_ACCUM", fast_accum)
     monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 0)
     y_scaled_mm = fp8_linear(x, wq, ws)
-    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 64)
+    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 128)
     y = fp8_linear(x, wq, ws)
     err = (y.double() - y_scaled_mm.double()).norm() / y_scaled_mm.double().norm()
-    assert err < 4e-3, f"rel error {err:.2e} (seed={seed})"
+    assert err < (8e-3 if fast_accum else 4e-3), f"rel error {err:.2e} (seed={seed})"
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,41 @@ def test_fp8_matmul_split_k(target, seed, split_k):
         assert not ql._COUNTERS[xq.device].any()
 
 
+def test_fp8_matmul_fast_accumulation(target, seed):
+    """``fast_accum=True``: on a GPU the fp8 tensor cores sum without promoting each K block to
+    float32 (as ``torch._scaled_mm(use_fast_accum=True)``), so the exact bound above does not
+    hold, but the result stays within 1e-2 (relative, Frobenius) of the float64 product at
+    Llama-3-8B's shapes; elsewhere (the torch path, the interpreter) it is the exact sum,
+    bit for bit the default's."""
+    gen = target.generator(seed)
+    for m, n, k in FULL_SHAPES if target.full else SHAPES:
+        xq, xs, wq, ws = _operands(gen, m, n, k, target.device)
+        y = pk.fp8_matmul(xq, xs, wq, ws, fast_accum=True, backend=target.backend)
+        exact = pk.fp8_matmul(xq, xs, wq, ws, backend=target.backend)
+        if not target.full:
+            assert torch.equal(y, exact), f"M={m} N={n} K={k} (seed={seed})"
+            continue
+        ref = reference.fp8_matmul(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu())
+        err = float((y.cpu().double() - ref).norm() / ref.norm())
+        assert err < 1e-2, f"M={m} N={n} K={k}: rel error {err:.1e} (seed={seed})"
+
+
+def test_pick_config_follows_the_shape():
+    """The per-shape tiles (``pick_config``): many output rows unsplit in 128-row tiles, a
+    long K split in 64-row tiles of 256-byte steps, the rest unsplit in 64-row tiles with a
+    deep pipeline; fast accumulation turns promotion off."""
+    from pagedattn_kernels.quant.triton_launch import pick_config
+
+    gate_up = pick_config(16, 28672, 4096, sms=132)
+    assert (gate_up.block_n, gate_up.split_k, gate_up.promote) == (128, 1, True)
+    down = pick_config(16, 4096, 14336, sms=132, fast_accum=True)
+    assert (down.block_n, down.block_k, down.split_k, down.promote) == (64, 256, 0, False)
+    qkv = pick_config(16, 6144, 4096, sms=132)
+    assert (qkv.block_n, qkv.block_k, qkv.split_k, qkv.num_stages) == (64, 128, 1, 8)
+    assert pick_config(128, 6144, 4096, sms=132).num_stages == 6  # a 128-token tile
+    assert pick_config(16, 28672, 4096, sms=264).block_n == 64  # too few tiles for the SMs
+
+
 def test_fp8_matmul_empty_shapes():
     xq = torch.zeros(0, 64, dtype=FP8)
     wq = torch.zeros(32, 64, dtype=FP8)

@@ -125,18 +125,37 @@ class Fp8MatmulConfig:
     promote: bool = True
 
 
-# Not yet timed on an H200 (scripts/fp8_weight_only_gemm.py sweeps these against
-# torch._scaled_mm): 128 x 128 bytes of weights per stage, four stages in flight.
-FP8_MATMUL_CONFIG = Fp8MatmulConfig()
 #: Most tokens per tile (the wgmma's N side, which goes to 256): 65-128 rows in one tile read
-#: the weights once instead of twice. The engine sends at most 64 rows here by default
-#: (``pagedkv.engine.models.quantization.FP8_MATMUL_MAX_ROWS``); 65-128 in one tile is not
-#: yet timed.
+#: the weights once instead of twice.
 MAX_BLOCK_M = 128
 _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def pick_config(m: int, n: int, k: int, sms: int, fast_accum: bool = False) -> Fp8MatmulConfig:
+    """The tiles for an ``[m, k] x [n, k]`` matmul, from the H200 sweep of
+    ``scripts/fp8_weight_only_gemm.py`` over Llama-3-8B's four linear shapes at 16-128 rows
+    (f534e71). At these sizes the weights stream through once, and what decides the speed is
+    how long each program streams: short programs (split-K into 4-8 steps of K each, to fill
+    the SMs) spend their time filling and draining the pipeline. So:
+
+    - enough 128-row tiles to fill the SMs (gate/up, 28,672 rows: 224 tiles on 132 SMs): no
+      split, 4 stages (16 rows: 31.6 us against 40.7 with split 4, 91% of the copy bandwidth);
+    - long K on few tiles (down, K = 14,336): 64-row tiles, 256 bytes of K a step, split
+      ``auto_split`` (16 rows: 18.9 against 22.2 us);
+    - else (Q/K/V, O): 64-row tiles, no split, 8 stages in flight (6 when a tile holds more
+      than 64 tokens, whose shared memory is twice as large): 8.9 against 16.3 us for Q/K/V.
+
+    A decoder layer's four matmuls at 16 rows: 67 us against 90 for the single config before
+    (``Fp8MatmulConfig()``) and 123 for bf16 ``F.linear``."""
+    promote = not fast_accum
+    if n >= 128 * sms:
+        return Fp8MatmulConfig(128, 128, 1, 4, 4, promote=promote)
+    if k >= 2 * n:
+        return Fp8MatmulConfig(64, 256, 0, 4, 4, promote=promote)
+    return Fp8MatmulConfig(64, 128, 1, 4, 8 if m <= 64 else 6, promote=promote)
 
 
 def _merge_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
@@ -162,8 +181,10 @@ def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
 
 
 def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
-               w_scale: torch.Tensor, out: torch.Tensor,
-               config: Fp8MatmulConfig | None = None) -> torch.Tensor:  # fmt: skip
+               w_scale: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None = None,
+               fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
+    """``config`` None: ``pick_config`` for this shape (the interpreter: small tiles, one
+    stage); ``fast_accum`` only matters then (a given config says ``promote`` itself)."""
     m, k = xq.shape
     n = wq.shape[0]
     if m == 0 or n == 0:
@@ -172,13 +193,13 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         return out.zero_()
     kernels = kernels_for(xq.device, KERNELS)
     interpreted = is_interpreted(kernels.fp8_matmul_kernel)
-    cfg = config or (_INTERPRETER_CONFIG if interpreted else FP8_MATMUL_CONFIG)
+    sms = sm_count(xq.device)
+    cfg = config or (_INTERPRETER_CONFIG if interpreted else pick_config(m, n, k, sms, fast_accum))
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
     # A 128 x 128 float32 accumulator over 4 warps would take 128 registers a thread.
     num_warps = cfg.num_warps if block_m <= 64 or interpreted else max(cfg.num_warps, 8)
     grid_nm = (-(-n // cfg.block_n), -(-m // block_m))
     k_iters = -(-k // cfg.block_k)
-    sms = sm_count(xq.device)
     # fp32 partials (split * M * N * 4 bytes) at most 1/8 of the e4m3 weights (N * K)
     split = cfg.split_k or auto_split(grid_nm[0] * grid_nm[1], k_iters, sms, max(1, k // (32 * m)))
     k_chunk = -(-k_iters // split) * cfg.block_k

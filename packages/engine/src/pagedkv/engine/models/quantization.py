@@ -137,7 +137,8 @@ def fp8_linear(
         shape, dtype = x.shape, x.dtype
         q, x_scale = pagedattn_kernels.quantize_fp8_per_token(x.reshape(-1, shape[-1]))
     if takes_fp8_matmul(q, weight):
-        y = pagedattn_kernels.fp8_matmul(q, x_scale, weight, weight_scale, out_dtype=dtype)
+        y = pagedattn_kernels.fp8_matmul(q, x_scale, weight, weight_scale, out_dtype=dtype,
+                                         fast_accum=FP8_FAST_ACCUM)  # fmt: skip
     elif uses_scaled_mm(q, weight):
         # Row-wise scaling produces bfloat16 only; other model dtypes are cast after.
         y = torch._scaled_mm(
