@@ -70,7 +70,7 @@ import pagedattn_kernels
 FP8 = torch.float8_e4m3fn
 METHODS = ("fp8",)
 # Matmuls of at most this many rows go to pagedattn_kernels.fp8_matmul (see above).
-FP8_MATMUL_MAX_ROWS = int(os.environ.get("PAGEDKV_FP8_MATMUL_MAX_ROWS", "64"))
+FP8_MATMUL_MAX_ROWS = int(os.environ.get("PAGEDKV_FP8_MATMUL_MAX_ROWS", "128"))
 # ... on these devices (the CPU keeps the float32 fallback, which is the same arithmetic).
 FP8_MATMUL_DEVICES = ("cuda",)
 # torch._scaled_mm's use_fast_accum (see above).
