@@ -9,7 +9,7 @@ not show it: the engine decodes many short contexts, through CUDA graphs capture
 
 This script times ``paged_decode_attention`` as the engine calls it at batch x context in
 (16, 48, 128, 256, 512) x (500, 900) -- the automatic configuration on the bfloat16 and the fp8
-cache, then fp8 with other tiles (``DecodeConfig``) and forced split counts -- replayed from
+cache (and 64 x 4k, 16 x 8k), then fp8 with other tiles (``DecodeConfig``) and forced split counts -- replayed from
 CUDA graphs over enough cache copies (> 256 MB) that the keys come from HBM, not from the 50 MB
 L2. Per row: ``us``, ``bw_frac`` (the cache bytes read against the copy bandwidth) and
 ``vs_bf16`` (the bfloat16 cache's time over this one: 2.0 would be the bytes' ratio).
@@ -37,11 +37,15 @@ log = logging.getLogger("decode_fp8_engine_shapes")
 FP8 = torch.float8_e4m3fn
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3-8B
 MAX_MODEL_LEN = 2048
-SHAPES = [(16, 900), (48, 900), (128, 500), (128, 900), (256, 500), (512, 500)]
+SHAPES = [(16, 900), (48, 900), (128, 500), (256, 500), (512, 500), (64, 4096), (16, 8192)]
 D = tl_launch.DecodeConfig
-CONFIGS = [D(128, 4, 3), D(64, 2, 3), D(64, 4, 3), D(64, 2, 4), D(128, 4, 2), D(128, 8, 3),
-           D(64, 4, 4, early_v=True), D(32, 2, 3)]  # fmt: skip
-SPLITS = [None, 1, 2, 4, 8]
+CONFIGS = [D(128, 4, 3), D(64, 2, 3), D(64, 4, 3), D(128, 4, 2), D(64, 2, 3, per_sm=4),
+           # the ragged last tile inside the pipelined loop (decode_kernel's ONE_LOOP)
+           D(128, 4, 3, one_loop=True), D(64, 2, 3, one_loop=True), D(128, 4, 2, one_loop=True),
+           D(64, 2, 3, per_sm=4, one_loop=True)]  # fmt: skip
+# the bfloat16 cache: its default tiles with the ragged tile in the loop
+BF16_CONFIGS = [D(128, 4, 2, one_loop=True), D(64, 4, 2, one_loop=True)]
+SPLITS = [None, 1, 4]
 ROTATE_BYTES = 256e6
 
 
@@ -55,9 +59,14 @@ def caches(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator, c
         vc = torch.randn(shape, generator=gen, device="cuda").to(dtype)
         out.append((kc, vc))
     perm = torch.randperm(batch * per_seq, generator=gen, device="cuda")
-    tables = torch.zeros(batch, MAX_MODEL_LEN // BLOCK, dtype=torch.int32, device="cuda")
+    tables = torch.zeros(batch, bound(context) // BLOCK, dtype=torch.int32, device="cuda")
     tables[:, :per_seq] = perm.view(batch, per_seq).to(torch.int32)
     return out, tables
+
+
+def bound(context: int) -> int:
+    """The engine's graphs pass max_model_len as max_seq_len: 2,048, or the context if longer."""
+    return max(MAX_MODEL_LEN, context)
 
 
 def attend(q, kv, tables, lens, out, config=None, splits=None):
@@ -67,7 +76,7 @@ def attend(q, kv, tables, lens, out, config=None, splits=None):
         one = torch.ones(1, dtype=torch.float32, device=q.device)
         scales = {"k_scale": one, "v_scale": one}
     return tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5,
-                                            MAX_MODEL_LEN, out, num_splits=splits,
+                                            tables.shape[1] * BLOCK, out, num_splits=splits,
                                             config=config, **scales)  # fmt: skip
 
 
@@ -88,7 +97,7 @@ def check() -> int:
     ref = tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5, context,
                                            torch.empty_like(q), k_scale=one, v_scale=one)  # fmt: skip
     bad = 0
-    for cfg, splits in itertools.product(CONFIGS[:3] if dev == "cpu" else CONFIGS, (None, 2)):
+    for cfg, splits in itertools.product(CONFIGS, (None, 2)):
         got = tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5,
                                                context, torch.empty_like(q), num_splits=splits,
                                                config=cfg, k_scale=one, v_scale=one)  # fmt: skip
@@ -117,8 +126,10 @@ def main() -> int:
             nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
             kvs, tables = caches(batch, context, dtype, gen, max(1, int(-(-ROTATE_BYTES // nbytes))))
             variants = [(None, None)]
+            if dtype == torch.bfloat16:
+                variants += [(c, None) for c in BF16_CONFIGS]
             if dtype == FP8:
-                splits_tried = SPLITS if batch <= 48 else SPLITS[:3]  # many pairs: few splits
+                splits_tried = SPLITS if batch <= 48 else SPLITS[:1]  # many pairs: automatic
                 variants += [(c, s) for c in CONFIGS for s in splits_tried]
             for cfg, splits in variants:
                 if time.monotonic() > deadline:
@@ -130,7 +141,8 @@ def main() -> int:
 
                 row = {"batch": batch, "context": context, "kv": str(dtype).split(".")[-1],
                        "config": None if cfg is None else [cfg.tile_n, cfg.num_warps,
-                                                           cfg.num_stages, cfg.early_v],
+                                                           cfg.num_stages, cfg.per_sm,
+                                                           cfg.one_loop],
                        "splits": splits}  # fmt: skip
                 try:
                     us = triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3
@@ -138,7 +150,7 @@ def main() -> int:
                     rows.append({**row, "error": repr(exc)[:300]})
                     log.info("B=%d ctx=%d %s: error %s", batch, context, row, repr(exc)[:200])
                     continue
-                if dtype == torch.bfloat16:
+                if dtype == torch.bfloat16 and cfg is None:
                     bf16_us = us
                 row.update(us=us, bw_frac=nbytes / us / 1e6 / copy_bw)
                 if bf16_us:
@@ -148,7 +160,6 @@ def main() -> int:
                          batch, context, row["kv"], row["config"], splits, us,
                          100 * row["bw_frac"], f"x{row['vs_bf16']:.2f} bf16" if bf16_us else "")
             del kvs
-            torch.cuda.empty_cache()
     best = {}
     for r in rows:
         key = (r["batch"], r["context"])

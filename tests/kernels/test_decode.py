@@ -167,10 +167,12 @@ def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch
         _check(out, ref, F32, seed, f"hint {hint}, num_splits={splits}")
 
 
+@pytest.mark.parametrize("option", ["early_v", "one_loop"])
 @pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3)], ids=attention_case_id)
-def test_decode_with_early_v_loads(target, seed, case):
+def test_decode_with_tile_loop_options(target, seed, case, option):
     """The decode kernel with ``DecodeConfig(early_v=True)`` (each V tile loaded with its K
-    tile, as the prefill kernel does): the same outputs, split or not, ragged tiles included."""
+    tile, as the prefill kernel does) or ``one_loop=True`` (the ragged last tile inside the
+    loop, every tile masked): the same outputs, split or not, ragged tiles included."""
     if target.backend != "triton":
         pytest.skip("a Triton tile option")
     from pagedattn_kernels.attention import triton_launch
@@ -186,10 +188,10 @@ def test_decode_with_early_v_loads(target, seed, case):
     ref = reference.paged_decode_attention(*args)
     tiles = 64 if not target.full else 128
     cfg = triton_launch.DecodeConfig(tile_n=tiles, num_warps=4, num_stages=1 if not target.full
-                                     else 2, early_v=True)  # fmt: skip
+                                     else 2, **{option: True})  # fmt: skip
     for splits in (1, 3):
         out = triton_launch.paged_decode_attention(
             *args, head_dim**-0.5, max(lens), poisoned_like(batch.query), num_splits=splits,
             config=cfg,
         )  # fmt: skip
-        _check(out, ref, dtype, seed, f"early_v, num_splits={splits}")
+        _check(out, ref, dtype, seed, f"{option}, num_splits={splits}")

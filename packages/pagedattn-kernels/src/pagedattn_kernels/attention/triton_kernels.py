@@ -344,6 +344,7 @@ def decode_kernel(
     EARLY_V: tl.constexpr,
     F16_PRODUCTS: tl.constexpr,
     PACKED: tl.constexpr,
+    ONE_LOOP: tl.constexpr = False,
 ):
     """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
 
@@ -357,6 +358,9 @@ def decode_kernel(
     F16_PRODUCTS (with KV_FP8 and a bfloat16 query): the products run in float16
     (``_query_as_float16``).
     PACKED (KV_FP8, the query float16 or made so): ``_attend_tile``'s, else 0.
+    ONE_LOOP: every tile masked, the ragged last one inside the software-pipelined loop (its
+    loads issued while earlier tiles compute); else whole tiles unmasked, then the ragged one
+    on its own after the loop (its block-table, K and V loads one after the other).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -396,24 +400,34 @@ def decode_kernel(
             q, scale_log2 = _query_as_float16(q, scale_log2)
     packed: tl.constexpr = PACKED if KV_FP8 and q.dtype == tl.float16 else 0
 
-    # Whole tiles first (no masks), then at most one ragged tile.
-    full_end = start + ((end - start) // TILE_N) * TILE_N
-    for tile_start in range(start, full_end, TILE_N):
-        m_i, l_i, acc = _attend_tile(
-            m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
-            tile_start, end, row_pos, scale_log2,
-            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, EARLY_V, packed,
-        )  # fmt: skip
-    if full_end < end:
-        m_i, l_i, acc = _attend_tile(
-            m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
-            full_end, end, row_pos, scale_log2,
-            stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST, KV_FP8,
-            0, OFFS64, EARLY_V, packed,
-        )  # fmt: skip
+    if ONE_LOOP:  # every tile masked, in one loop
+        for tile_start in range(start, end, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
+                tile_start, end, row_pos, scale_log2,
+                stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST,
+                KV_FP8, 0, OFFS64, EARLY_V, packed,
+            )  # fmt: skip
+    else:  # whole tiles first (no masks), then at most one ragged tile
+        full_end = start + ((end - start) // TILE_N) * TILE_N
+        for tile_start in range(start, full_end, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
+                tile_start, end, row_pos, scale_log2,
+                stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, False, IEEE, UPCAST,
+                KV_FP8, 0, OFFS64, EARLY_V, packed,
+            )  # fmt: skip
+        if full_end < end:
+            tile_start = full_end
+            m_i, l_i, acc = _attend_tile(
+                m_i, l_i, acc, q, k_cache_ptr, v_cache_ptr, bt_row, k_head_off, v_head_off,
+                tile_start, end, row_pos, scale_log2,
+                stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, False, IEEE, UPCAST,
+                KV_FP8, 0, OFFS64, EARLY_V, packed,
+            )  # fmt: skip
 
     store_mask = g_mask[:, None] & d_mask[None, :]
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

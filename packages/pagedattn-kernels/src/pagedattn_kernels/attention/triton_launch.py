@@ -45,7 +45,10 @@ class DecodeConfig:
     ``packed_loads``: on an fp8 cache with 16-bit queries, load K and V tiles as int32 words
     (``_attend_tile``'s PACKED): no byte-wise shared-memory reads. Off by default: slower on an
     H200 (46.7% of the copy bandwidth against 63.8% at 64 x 4k, ``sweep_decode_fp8``): the
-    words are loaded into registers, probably outside the compiler's software pipeline."""
+    words are loaded into registers, probably outside the compiler's software pipeline.
+    ``one_loop``: the ragged last tile inside the pipelined loop, every tile masked
+    (``decode_kernel``'s ONE_LOOP), rather than unmasked whole tiles and the ragged one after
+    the loop."""
 
     tile_n: int
     num_warps: int
@@ -54,6 +57,7 @@ class DecodeConfig:
     early_v: bool = False
     f16_products: bool = True
     packed_loads: bool = False
+    one_loop: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +260,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
         SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
         OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
-        F16_PRODUCTS=cfg.f16_products, PACKED=packed,
+        F16_PRODUCTS=cfg.f16_products, PACKED=packed, ONE_LOOP=cfg.one_loop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
