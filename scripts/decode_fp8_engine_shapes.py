@@ -109,6 +109,9 @@ def check() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="", help="batch x context pairs to time instead of "
+                    "SHAPES, e.g. 64x4096,16x8192")
+    ap.add_argument("--bf16-only", action="store_true", help="the bfloat16 cache only")
     add_common_args(ap, budget_s=150.0)
     args = ap.parse_args()
     if (code := check_or_gpu(args, check)) is not None:
@@ -117,12 +120,13 @@ def main() -> int:
     copy_bw = copy_bandwidth_tbps()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
-    for batch, context in SHAPES:
+    shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",") if x] or SHAPES
+    for batch, context in shapes:
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty_like(q)
         bf16_us = None
-        for dtype in (torch.bfloat16, FP8):
+        for dtype in (torch.bfloat16,) if args.bf16_only else (torch.bfloat16, FP8):
             nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
             kvs, tables = caches(batch, context, dtype, gen, max(1, int(-(-ROTATE_BYTES // nbytes))))
             variants = [(None, None)]
