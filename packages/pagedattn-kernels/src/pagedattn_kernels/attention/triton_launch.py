@@ -81,25 +81,22 @@ def padded_head_dim(head_dim: int) -> int:
 #: fp8 caches: from this many (sequence, KV head) pairs on, the decode kernel takes narrow
 #: tiles (``decode_config``).
 FP8_NARROW_TILE_PAIRS = 256
-#: 16-bit caches: up to this context bound (``max_seq_len``, in the engine's graphs
-#: ``max_model_len``), the ragged last tile runs inside the pipelined loop (``one_loop``).
-ONE_LOOP_MAX_LEN = 4096
 
 
 def decode_config(
     head_dim: int, dtype: torch.dtype, interpreted: bool = False,
     kv_dtype: torch.dtype | None = None, num_pairs: int | None = None,
-    max_seq_len: int | None = None,
 ) -> DecodeConfig:  # fmt: skip
     """Wide key tiles (32 KB of K per step in 16-bit types), two pipeline stages: measured on
     an H200 (bench sweeps) at 96% of copy bandwidth for batch 64 x 4k context, against 71% for
     64-token tiles with three stages. Two such programs fit per SM (~250 registers/thread).
-    With contexts bounded by ``ONE_LOOP_MAX_LEN`` (``max_seq_len``), every tile is masked and
-    the ragged last one is loaded inside the pipelined loop (``one_loop``): in the engine's
-    graphs (bound 2,048) on an H200 that took Llama-3-8B's decode attention from 23.5 to 22.5
-    us at 16 x 900, 58.2 to 53.9 at 48 x 900, 74.0 to 67.0 at 128 x 500 and 140.0 to 129.5
-    (98% of the copy bandwidth) at 256 x 500 (``scripts/decode_fp8_engine_shapes.py``, 8c1dddc).
-    Where a ragged tile is a small share of long contexts it stays after the loop, unmasked.
+    Every tile is masked and the ragged last one is loaded inside the pipelined loop
+    (``one_loop``) rather than on its own after it: in the engine's graphs (bound 2,048) on an
+    H200 that took Llama-3-8B's decode attention from 23.5 to 22.5 us at 16 x 900, 58.2 to
+    53.9 at 48 x 900, 74.0 to 67.0 at 128 x 500 and 140.0 to 129.5 (98% of the copy
+    bandwidth) at 256 x 500 (8c1dddc); long contexts, where the ragged tile is a small share,
+    are unchanged: 280.8 against 280.7 us at 64 x 4k, 129.8 against 130.3 at 16 x 8k
+    (2b5b50b; ``scripts/decode_fp8_engine_shapes.py``).
 
     fp8 caches (``kv_dtype``): the same 128-token tiles hold half the bytes, so a third
     pipeline stage keeps as many bytes in flight (3 x 32 KB of K and V per program). With
@@ -121,9 +118,8 @@ def decode_config(
         return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=3)
     if dtype.itemsize == 4:  # fp32: tf32x3 dots hold split operands in registers: small tiles
         return DecodeConfig(tile_n=32 if dpad <= 128 else 16, num_warps=4, num_stages=2)
-    short = max_seq_len is not None and max_seq_len <= ONE_LOOP_MAX_LEN
     return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=2,
-                        one_loop=short)  # fmt: skip
+                        one_loop=True)  # fmt: skip
 
 
 def prefill_config(
@@ -237,7 +233,7 @@ def paged_decode_attention(
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel),
-                                  key_cache.dtype, num_seqs * num_kv_heads, bound)  # fmt: skip
+                                  key_cache.dtype, num_seqs * num_kv_heads)  # fmt: skip
     dpad = padded_head_dim(head_dim)
     # The smallest share of a split sequence (the kernel's partition_size): MIN_PARTITION for
     # the automatic split count, one tile when the caller asks for a count (tests split short

@@ -19,11 +19,15 @@ in vLLM). At run time each activation row (token) is quantized with its own *dyn
 Few rows (decode batches): cuBLAS's fp8 kernels tile the rows by 128, so at 16 tokens
 ``torch._scaled_mm`` was only 8% faster than bf16 on an H200 although it reads half the weight
 bytes. ``pagedattn_kernels.fp8_matmul`` swaps the operands (weight rows on the tile's long
-side) and takes the matmuls of up to ``FP8_MATMUL_MAX_ROWS`` (64) rows: the same arithmetic
-(exact products, float32 sums), in another kernel. In the real-ShareGPT run on an H200 (fp8
-weights and cache, 7b866c0) it took decode passes of 1-64 sequences from 5.37 ms of GPU time to
-4.36, and the run from 11,282 to 12,146 output tok/s. The environment variable
-``PAGEDKV_FP8_MATMUL_MAX_ROWS`` sets it for a run (0: ``torch._scaled_mm`` for every size).
+side) and takes the matmuls of up to ``FP8_MATMUL_MAX_ROWS`` (128) rows: the same arithmetic
+(exact products, float32 sums), in another kernel, with tiles picked per shape
+(``pagedattn_kernels.quant.triton_launch.pick_config``). On an H200 a Llama-3-8B decoder
+layer's four matmuls take 66 / 72 / 89 us at 16 / 64 / 128 rows against 117 / 125 / 135 for
+bf16 ``F.linear`` and 101 for ``torch._scaled_mm`` at 128 (in CUDA graphs, weights from HBM;
+``scripts/fp8_weight_only_gemm.py``, 6d1d2a1). In the real-ShareGPT run (fp8 weights and
+cache) it took the run from 11,282 output tok/s (``_scaled_mm`` for all) to 13,343 (2b5b50b).
+The environment variable ``PAGEDKV_FP8_MATMUL_MAX_ROWS`` sets the row limit for a run (0:
+``torch._scaled_mm`` for every size).
 
 Why per channel and per token: one scale per tensor lets a single outlier channel or token
 flatten the resolution of all others; per-row scales cost one float per row and nothing in the
@@ -39,8 +43,9 @@ A model opts in per layer (``use_fp8_inputs``, called by :func:`quantize_model`)
 projection's input (attention's output) is still quantized by :func:`fp8_linear` itself.
 
 Fast accumulation (on by default; ``PAGEDKV_FP8_FAST_ACCUM=0`` turns it off): ``torch._scaled_mm``'s
-``use_fast_accum``, Hopper's fp8 tensor-core accumulation without promoting partial sums to
-float32 (what vLLM's CUTLASS fp8 kernels for Hopper use). Measured on an H200:
+``use_fast_accum`` and ``fp8_matmul``'s ``fast_accum``, Hopper's fp8 tensor-core accumulation
+without promoting partial sums to float32 (what vLLM's CUTLASS fp8 kernels for Hopper use).
+Measured on an H200:
 - speed: the linear layers of a Llama-3-8B decoder layer at 512 rows, with their
   quantization, in CUDA graphs: 1.70x as fast as bf16 with it, 1.54x without (fused with the
   norms and SiLU: 1.66x against 1.52x); the real-ShareGPT run above: 12,630 output tok/s
@@ -51,8 +56,9 @@ float32 (what vLLM's CUTLASS fp8 kernels for Hopper use). Measured on an H200:
   64 tokens, teacher-forced top-1 against bf16): 0.9248 against 0.9250 with fp8 weights,
   0.9146 against 0.9150 with fp8 weights and cache (2 and 1 tokens of 4,096). That model's
   K is small (576 and 1,536); the error above was measured at Llama-3-8B's.
-``pagedattn_kernels.fp8_matmul`` (the decode batches) promotes every K block to float32 either
-way.
+  ``fp8_matmul`` (the decode batches) sums this way since 6d1d2a1, after the token figures
+  above were measured: 3% faster at 16 rows (86.9 against 89.6 us for the four matmuls, one
+  tile config), 23% at 128 (104.7 against 129.2; f534e71).
 """
 
 from __future__ import annotations
