@@ -22,7 +22,10 @@ per-channel scale applied in the epilogue. This script times a Triton kernel of 
 and two fp8 x fp8 variants on rows already quantized (as the fused norms and SiLU hand them to
 three of the four linear layers):
 
-  fp8_prequant  ``fp8_linear`` on ``Fp8Rows``: torch._scaled_mm alone
+  fp8_prequant  ``torch._scaled_mm`` alone on those rows, as ``fp8_linear`` calls it past
+                ``FP8_MATMUL_MAX_ROWS`` (until 2b5b50b this row called ``fp8_linear``,
+                which sends up to that many rows to ``fp8_matmul``: in the sweeps of
+                f534e71 and 6d1d2a1 its rows of 16-64 are ``fp8_matmul``'s)
   swap_pick     ``pagedattn_kernels.fp8_matmul`` as the engine calls it: its own tiles per
                 shape (``pick_config``) and fast accumulation
   swap_fp8      ``pagedattn_kernels.fp8_matmul``: the operands swapped, weight rows on the
@@ -58,7 +61,8 @@ from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, writ
 
 import pagedattn_kernels
 from pagedattn_kernels.quant.triton_launch import Fp8MatmulConfig, auto_split
-from pagedkv.engine.models.quantization import Fp8Rows, fp8_linear, quantize_weight
+from pagedkv.engine.models import quantization
+from pagedkv.engine.models.quantization import fp8_linear, quantize_weight
 
 log = logging.getLogger("fp8_weight_only_gemm")
 
@@ -218,6 +222,14 @@ def make_swap(xq: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, n:
     return launch
 
 
+def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+              w_scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``torch._scaled_mm`` on quantized rows, as ``fp8_linear`` calls it for many rows."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale.reshape(-1, 1), scale_b=w_scale,
+                            out_dtype=torch.bfloat16,
+                            use_fast_accum=quantization.FP8_FAST_ACCUM)  # fmt: skip
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -294,7 +306,7 @@ def main() -> int:
     ap.add_argument("--swap-set", choices=("broad", "refine"), default="broad",
                     help="the swap_fp8 configs: SWAP_CONFIGS or SWAP_REFINE")
     ap.add_argument("--only", default="", help="comma-separated variants to time (default: "
-                    "all of bf16, fp8_linear, fp8_prequant, swap_fp8, wo_fp8)")
+                    "all of bf16, fp8_linear, fp8_prequant, swap_pick, swap_fp8, wo_fp8)")
     add_common_args(ap, budget_s=150.0)
     args = ap.parse_args()
     if (code := check_or_gpu(args, check)) is not None:
@@ -323,9 +335,8 @@ def main() -> int:
             # The tokens already quantized, as the fused norms and SiLU hand them to three of
             # the four linear layers: _scaled_mm alone, and the swapped fp8 kernel.
             xq, xs = pagedattn_kernels.quantize_fp8_per_token(x)
-            rows8 = Fp8Rows(xq, xs, torch.bfloat16)
             variants.append(("fp8_prequant", None,
-                             lambda w, rows8=rows8, ws=ws: fp8_linear(rows8, w, ws), wqs,
+                             lambda w, xq=xq, xs=xs, ws=ws: scaled_mm(xq, xs, w, ws), wqs,
                              n * k + 4 * n))  # fmt: skip
             # the engine's path: fp8_matmul's own per-shape pick, fast accumulation
             variants.append(("swap_pick", None,
@@ -387,8 +398,8 @@ def main() -> int:
                     total[f"{variant}_vs_bf16"] = total["bf16_us"] / total[f"{variant}_us"]
         layer.append(total)
         log.info("layer M=%-4d %s", m, {key: round(v, 3) for key, v in total.items()})
-    # swap_fp8 per config: the layer's sum with one config for all four shapes (what the
-    # engine runs), fastest first per M
+    # swap_fp8 per config: the layer's sum with one config for all four shapes, fastest
+    # first per M
     swap_layer = []
     for m in args.m:
         sums: dict[tuple, list[float]] = {}

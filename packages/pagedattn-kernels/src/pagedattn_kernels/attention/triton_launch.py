@@ -230,11 +230,11 @@ def paged_decode_attention(
     qpk = num_heads // num_kv_heads
     kernels = kernels_for(query.device, KERNELS)
     fp8 = key_cache.dtype == FP8_DTYPE
-    # Without a hint, the block table's width bounds every context (no device sync needed).
-    bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel),
                                   key_cache.dtype, num_seqs * num_kv_heads)  # fmt: skip
     dpad = padded_head_dim(head_dim)
+    # Without a hint, the block table's width bounds every context (no device sync needed).
+    bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     # The smallest share of a split sequence (the kernel's partition_size): MIN_PARTITION for
     # the automatic split count, one tile when the caller asks for a count (tests split short
     # contexts on purpose). Unused without a split.
