@@ -32,7 +32,7 @@ import time
 
 import torch
 import triton.testing
-from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, write_result
+from variant_cli import start, write_result
 
 from pagedattn_kernels.attention import triton_launch as tl_launch
 
@@ -116,13 +116,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="batch x context pairs to time instead of "
                     "SHAPES, e.g. 64x4096,16x8192")
     ap.add_argument("--bf16-only", action="store_true", help="the bfloat16 cache only")
-    add_common_args(ap, budget_s=150.0)
-    args = ap.parse_args()
-    if (code := check_or_gpu(args, check)) is not None:
-        return code
-    deadline = time.monotonic() + args.budget_s
-    copy_bw = copy_bandwidth_tbps()
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    run = start(ap, check, budget_s=150.0)
+    if isinstance(run, int):
+        return run
+    args, deadline, copy_bw, gen = run.args, run.deadline, run.copy_bw, run.gen
     rows: list[dict] = []
     shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",") if x] or SHAPES
     for batch, context in shapes:

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from variant_cli import add_common_args, check_or_gpu, copy_bandwidth_tbps, write_result
+from variant_cli import start, write_result
 
 import pagedattn_kernels
 from pagedattn_kernels.quant.triton_launch import Fp8MatmulConfig, auto_split
@@ -307,14 +307,11 @@ def main() -> int:
                     help="the swap_fp8 configs: SWAP_CONFIGS or SWAP_REFINE")
     ap.add_argument("--only", default="", help="comma-separated variants to time (default: "
                     "all of bf16, fp8_linear, fp8_prequant, swap_pick, swap_fp8, wo_fp8)")
-    add_common_args(ap, budget_s=150.0)
-    args = ap.parse_args()
-    if (code := check_or_gpu(args, check)) is not None:
-        return code
-    deadline = time.monotonic() + args.budget_s
-    copy_bw = copy_bandwidth_tbps()
+    run = start(ap, check, budget_s=150.0)
+    if isinstance(run, int):
+        return run
+    args, deadline, copy_bw, gen = run.args, run.deadline, run.copy_bw, run.gen
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device="cuda").manual_seed(0)
     layers = {}
     for name, n, k in LLAMA3_8B_LINEARS:
         wq, ws = quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * k**-0.5)

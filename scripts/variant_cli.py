@@ -8,7 +8,9 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +37,30 @@ def check_or_gpu(args: argparse.Namespace, check: Callable[[], int]) -> int | No
         log.error("timing needs a GPU (use --check on the CPU)")
         return 2
     return None
+
+
+@dataclass(frozen=True)
+class TimingRun:
+    """What a timing run starts from: its options, when to stop starting new rows, the copy
+    bandwidth its fractions are of, and a seeded CUDA generator."""
+
+    args: argparse.Namespace
+    deadline: float
+    copy_bw: float
+    gen: torch.Generator
+
+
+def start(ap: argparse.ArgumentParser, check: Callable[[], int],
+          budget_s: float) -> TimingRun | int:  # fmt: skip
+    """Add the common options, parse, and either return an exit code (``--check`` ran, or no
+    GPU: ``check_or_gpu``) or start the timing run."""
+    add_common_args(ap, budget_s=budget_s)
+    args = ap.parse_args()
+    if (code := check_or_gpu(args, check)) is not None:
+        return code
+    deadline = time.monotonic() + args.budget_s
+    return TimingRun(args, deadline, copy_bandwidth_tbps(),
+                     torch.Generator(device="cuda").manual_seed(0))  # fmt: skip
 
 
 def copy_bandwidth_tbps() -> float:
