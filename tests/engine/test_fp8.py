@@ -359,7 +359,7 @@ def test_fp8_linear_takes_fp8_matmul_for_few_rows(seed, dtype, monkeypatch):
     real = pagedattn_kernels.fp8_matmul
     monkeypatch.setattr(pagedattn_kernels, "fp8_matmul",
                         lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))  # fmt: skip
-    assert quantization.FP8_MATMUL_MAX_ROWS == 64  # the default (decode batches on the GPU)
+    assert quantization.FP8_MATMUL_MAX_ROWS == 128  # the default (decode batches on the GPU)
     fp8_linear(torch.randn(2, 48).to(dtype), wq, ws)
     assert calls == [], "the CPU took fp8_matmul without being let in"
     monkeypatch.setattr(quantization, "FP8_MATMUL_DEVICES", ("cuda", "cpu"))
