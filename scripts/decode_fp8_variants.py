@@ -21,6 +21,11 @@ one step:
               by the hardware's packed conversion (inline ``cvt.rn.f16x2.e4m3x2``), the
               query in float16: no byte-wise shared-memory reads (below)
   packed_bits the same words widened with integer shifts (runs in the interpreter)
+  packed_pf   packed_asm with the next tile's words loaded an iteration ahead into registers
+              (and ``packed_bits_pf``, the interpreter's): the shipped kernel's packed loads
+              measured slower than its byte loads (46.7% against 63.8% of the copy bandwidth
+              at 64 x 4k), presumably because Triton's pipeliner does not stage loads that
+              feed a widening rather than ``tl.dot``; this asks for the overlap by hand
   fma         no ``tl.dot``: e4m3 tiles converted to float32 and multiplied on CUDA cores
               (broadcast products and sums, per query head), float32 softmax and accumulator
   fma_ev      fma with the V tile loaded together with K, before the scores ("early V")
@@ -78,10 +83,12 @@ from pagedattn_kernels.attention.triton_kernels import _e4m3_words_to_f16
 
 log = logging.getLogger("decode_fp8_variants")
 
-BF16, CVT, BITS_F16, FP8_MMA, CVT_F16, FMA, PACKED_BITS, PACKED_ASM = range(8)
+BF16, CVT, BITS_F16, FP8_MMA, CVT_F16, FMA, PACKED_BITS, PACKED_ASM, PACKED_PF, PACKED_BITS_PF = (
+    range(10))  # fmt: skip
 MODES = {"bf16": BF16, "cvt": CVT, "bits_f16": BITS_F16, "fp8_mma": FP8_MMA, "cvt_f16": CVT_F16,
-         "packed_bits": PACKED_BITS, "packed_asm": PACKED_ASM}  # fmt: skip
-PACKED = (PACKED_BITS, PACKED_ASM)
+         "packed_bits": PACKED_BITS, "packed_asm": PACKED_ASM, "packed_pf": PACKED_PF,
+         "packed_bits_pf": PACKED_BITS_PF}  # fmt: skip
+PACKED = (PACKED_BITS, PACKED_ASM, PACKED_PF, PACKED_BITS_PF)
 # CUDA-core variants (``decode_fma_kernel``): name -> (16-bit cache?, AHEAD)
 FMA_MODES = {"fma": (False, 0), "fma_ev": (False, 1), "fma_pf": (False, 2),
              "fma_bf16": (True, 0), "fma_bf16_ev": (True, 1), "fma_bf16_pf": (True, 2)}  # fmt: skip
@@ -123,7 +130,7 @@ def _unpack(w, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
     integer shifts on whole words, two bytes at a time (each fp16 value is the e4m3 value
     times 2^-8, folded into the scales as in ``bits_f16``). Either way the bytes reach
     registers as words, never one by one."""
-    if MODE == 7:
+    if MODE == 7 or MODE == 8:
         t = _e4m3_words_to_f16(w, True)
     else:
         u = w.to(tl.uint32, bitcast=True)
@@ -168,7 +175,7 @@ def decode_variant_kernel(
     heads = kv_head * G + g
     q_off = seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_off, mask=(g < G)[:, None], other=0.0)
-    if MODE == 2 or MODE == 4 or MODE == 6 or MODE == 7:
+    if MODE == 2 or MODE == 4 or MODE == 6 or MODE == 7 or MODE == 8 or MODE == 9:
         q = q.to(tl.float16)
     if MODE == 3:  # per-row e4m3 scale of the query; scores come back times q_scale
         q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1) / 448.0, 1e-12)
@@ -177,11 +184,30 @@ def decode_variant_kernel(
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
     bt = block_tables + seq * stride_bt
+    if MODE == 8 or MODE == 9:  # the first tile's words, before the loop
+        pos = tl.arange(0, TILE_N)
+        off = tl.load(bt + pos // BLOCK_SIZE) * stride_blk + (pos % BLOCK_SIZE) * stride_tok
+        w_off = ((off + kv_head * stride_head) // 4)[:, None] + d4[None, :]
+        kw_next = tl.load(k_words + w_off)
+        vw_next = tl.load(v_words + w_off)
     for start in range(0, seq_len, TILE_N):
-        pos = start + tl.arange(0, TILE_N)
-        blk = tl.load(bt + pos // BLOCK_SIZE)
-        off = blk * stride_blk + (pos % BLOCK_SIZE) * stride_tok + kv_head * stride_head
-        k = _tile(k_cache, k_words, off, d, d4, HEAD_DIM, MODE)
+        if MODE == 8 or MODE == 9:
+            # Words loaded an iteration ahead (a register double buffer: Triton's pipeliner
+            # stages only loads that feed tl.dot directly, and these feed the widening
+            # first); the last iteration reloads the last tile instead of masking.
+            kw = kw_next
+            vw = vw_next
+            pos = tl.minimum(start + TILE_N, seq_len - TILE_N) + tl.arange(0, TILE_N)
+            off = tl.load(bt + pos // BLOCK_SIZE) * stride_blk + (pos % BLOCK_SIZE) * stride_tok
+            w_off = ((off + kv_head * stride_head) // 4)[:, None] + d4[None, :]
+            kw_next = tl.load(k_words + w_off)
+            vw_next = tl.load(v_words + w_off)
+            k = _unpack(kw, HEAD_DIM, MODE)
+        else:
+            pos = start + tl.arange(0, TILE_N)
+            blk = tl.load(bt + pos // BLOCK_SIZE)
+            off = blk * stride_blk + (pos % BLOCK_SIZE) * stride_tok + kv_head * stride_head
+            k = _tile(k_cache, k_words, off, d, d4, HEAD_DIM, MODE)
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -192,7 +218,10 @@ def decode_variant_kernel(
         p = tl.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _tile(v_cache, v_words, off, d, d4, HEAD_DIM, MODE)
+        if MODE == 8 or MODE == 9:
+            v = _unpack(vw, HEAD_DIM, MODE)
+        else:
+            v = _tile(v_cache, v_words, off, d, d4, HEAD_DIM, MODE)
         if MODE == 3:
             p = p.to(tl.float8e4nv)  # p in [0, 1]: e4m3 keeps 3 mantissa bits
         else:
@@ -374,7 +403,7 @@ def run(p: Problem, mode: str, tile_n: int, warps: int, stages: int, out: torch.
     m = MODES[mode]
     k, v = (p.k16, p.v16) if m == BF16 else (p.k8, p.v8)
     # bits_f16 and packed_bits tiles hold the value times 2^-8
-    unit = 256.0 if m in (BITS_F16, PACKED_BITS) else 1.0
+    unit = 256.0 if m in (BITS_F16, PACKED_BITS, PACKED_BITS_PF) else 1.0
     g = p.heads // p.kv_heads
 
     def call():
@@ -443,6 +472,12 @@ CONFIGS = [  # (mode, tile_n, warps, stages)
     ("packed_asm", 64, 2, 2),  # 144, 10, 706, 0.086
     ("packed_asm", 32, 1, 3),  # 168, 11, 733, 0.089
     ("packed_bits", 128, 4, 2), ("packed_bits", 64, 4, 2),  # 128 / 96 regs, 0.141 / ~0.17 /B
+    # Word loads an iteration ahead (register double buffer; not yet timed on a GPU): plain
+    # global loads (LDG) instead of packed_asm's cp.async (LDGSTS) staging, no byte loads
+    ("packed_pf", 128, 4, 2),  # 208 regs, 8 warps/SM, 872 instr/tile, 0.106 /B
+    ("packed_pf", 64, 4, 2),  # 129, 12, 546, 0.133
+    ("packed_pf", 64, 2, 2),  # 235, 8, 870, 0.106
+    ("packed_pf", 32, 1, 2),  # 255, 8, 836, 0.102
     # CUDA-core variants. num_stages does nothing for them (no tl.dot: Triton pipelines no
     # load; the sm_90 SASS is the same for 1 and 3). Comments: registers per thread from
     # offline sm_90 compiles with Triton 3.6 (G = 4, HEAD_DIM 128; no spills) and the
@@ -487,8 +522,9 @@ def check() -> int:
     p = Problem(2, 64, dev, heads=4, kv_heads=2, head_dim=32)
     want = reference(p)
     bad = 0
-    for mode in ("bf16", "cvt", "cvt_f16", "bits_f16", "fp8_mma", "packed_bits", "packed_asm"):
-        if mode == "packed_asm" and dev == "cpu":
+    for mode in ("bf16", "cvt", "cvt_f16", "bits_f16", "fp8_mma", "packed_bits", "packed_asm",
+                 "packed_bits_pf", "packed_pf"):  # fmt: skip
+        if mode in ("packed_asm", "packed_pf") and dev == "cpu":
             log.info("%-11s needs a GPU (inline assembly; packed_bits checks the unpacking)", mode)
             continue
         out = torch.empty_like(p.q)
