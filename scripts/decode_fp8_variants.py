@@ -21,11 +21,12 @@ one step:
               by the hardware's packed conversion (inline ``cvt.rn.f16x2.e4m3x2``), the
               query in float16: no byte-wise shared-memory reads (below)
   packed_bits the same words widened with integer shifts (runs in the interpreter)
-  packed_pf   packed_asm with the next tile's words loaded an iteration ahead into registers
-              (and ``packed_bits_pf``, the interpreter's): the shipped kernel's packed loads
-              measured slower than its byte loads (46.7% against 63.8% of the copy bandwidth
-              at 64 x 4k), presumably because Triton's pipeliner does not stage loads that
-              feed a widening rather than ``tl.dot``; this asks for the overlap by hand
+  packed_pf   packed_asm with the next tile's words loaded an iteration ahead straight into
+              registers (and ``packed_bits_pf``, the interpreter's): the shipped kernel's
+              packed loads measured slower than its byte loads (46.7% against 63.8% of the
+              copy bandwidth at 64 x 4k); packed_asm stages its words through shared memory
+              (cp.async, LDGSTS) and widens them from there, this variant skips that staging
+              and overlaps the loads by hand (plain LDG in the sm_90 SASS)
   fma         no ``tl.dot``: e4m3 tiles converted to float32 and multiplied on CUDA cores
               (broadcast products and sums, per query head), float32 softmax and accumulator
   fma_ev      fma with the V tile loaded together with K, before the scores ("early V")
@@ -155,6 +156,14 @@ def _tile(cache, words, off, d, d4, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
+def _word_offsets(bt, pos, head_off, stride_blk, stride_tok, d4, BLOCK_SIZE: tl.constexpr):
+    """int32-word offsets ``[len(pos), HEAD_DIM // 4]`` of the K or V rows at context positions
+    ``pos`` (block table ``bt``; strides in bytes, multiples of 4)."""
+    off = tl.load(bt + pos // BLOCK_SIZE) * stride_blk + (pos % BLOCK_SIZE) * stride_tok
+    return ((off + head_off) // 4)[:, None] + d4[None, :]
+
+
+@triton.jit
 def decode_variant_kernel(
     out_ptr, q_ptr, k_cache, v_cache, block_tables, seq_len, scale_log2, v_scale,
     stride_q_seq, stride_q_head, stride_blk, stride_tok, stride_head, stride_bt,
@@ -185,21 +194,19 @@ def decode_variant_kernel(
     acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
     bt = block_tables + seq * stride_bt
     if MODE == 8 or MODE == 9:  # the first tile's words, before the loop
-        pos = tl.arange(0, TILE_N)
-        off = tl.load(bt + pos // BLOCK_SIZE) * stride_blk + (pos % BLOCK_SIZE) * stride_tok
-        w_off = ((off + kv_head * stride_head) // 4)[:, None] + d4[None, :]
+        w_off = _word_offsets(bt, tl.arange(0, TILE_N), kv_head * stride_head, stride_blk,
+                              stride_tok, d4, BLOCK_SIZE)  # fmt: skip
         kw_next = tl.load(k_words + w_off)
         vw_next = tl.load(v_words + w_off)
     for start in range(0, seq_len, TILE_N):
         if MODE == 8 or MODE == 9:
-            # Words loaded an iteration ahead (a register double buffer: Triton's pipeliner
-            # stages only loads that feed tl.dot directly, and these feed the widening
-            # first); the last iteration reloads the last tile instead of masking.
+            # Words loaded an iteration ahead (a register double buffer, no shared-memory
+            # staging); the last iteration reloads the last tile instead of masking.
             kw = kw_next
             vw = vw_next
             pos = tl.minimum(start + TILE_N, seq_len - TILE_N) + tl.arange(0, TILE_N)
-            off = tl.load(bt + pos // BLOCK_SIZE) * stride_blk + (pos % BLOCK_SIZE) * stride_tok
-            w_off = ((off + kv_head * stride_head) // 4)[:, None] + d4[None, :]
+            w_off = _word_offsets(bt, pos, kv_head * stride_head, stride_blk, stride_tok, d4,
+                                  BLOCK_SIZE)  # fmt: skip
             kw_next = tl.load(k_words + w_off)
             vw_next = tl.load(v_words + w_off)
             k = _unpack(kw, HEAD_DIM, MODE)

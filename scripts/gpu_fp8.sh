@@ -31,7 +31,7 @@
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
 #   bash scripts/gpu_fp8.sh fp8swap            # ~2 min, carrying .gpu_data
 #     the fp8 run with PAGEDKV_FP8_MATMUL_MAX_ROWS=${SWAP_ROWS:-0}: torch._scaled_mm for every
-#     matmul, against the engine's pagedattn_kernels.fp8_matmul up to 64 rows
+#     matmul, against the engine's pagedattn_kernels.fp8_matmul up to 128 rows
 #                                                  -> ..._real_fp8_swap.json
 #   bash scripts/gpu_fp8.sh diagnose           # ~8 min
 #     scripts/prefill_variants.py --gap (the prefill kernel's remaining gap to a minimal TMA
@@ -42,7 +42,8 @@
 #     kernel, bf16 activations) against bf16 F.linear and fp8_linear at M = 1-128, the four
 #     Llama-3-8B linear shapes                    -> fp8_weight_only_gemm.json
 #   bash scripts/gpu_fp8.sh fp8exact           # ~2 min, carrying .gpu_data
-#     the fp8 run without torch._scaled_mm's fast accumulation (PAGEDKV_FP8_FAST_ACCUM=0)
+#     the fp8 run without fast accumulation (PAGEDKV_FP8_FAST_ACCUM=0: torch._scaled_mm and
+#     pagedattn_kernels.fp8_matmul)
 #                                                  -> ..._real_fp8_exact.json
 #   bash scripts/gpu_fp8.sh accuracy           # ~1 min, with the embedded model joined
 #     `python -m pagedkv.bench.fp8_accuracy` in bf16 on the GPU: greedy agreement of fp8 KV,
@@ -171,12 +172,12 @@ for part in "${parts[@]}"; do
       ;;
     fp8swap)
       # The fp8 run again with pagedattn_kernels.fp8_matmul taking the matmuls of up to
-      # SWAP_ROWS rows (default 0: torch._scaled_mm for all, against the engine's 64).
+      # SWAP_ROWS rows (default 0: torch._scaled_mm for all, against the engine's 128).
       PAGEDKV_FP8_MATMUL_MAX_ROWS="${SWAP_ROWS:-0}" \
         throughput _fp8_swap --kv-cache-dtype fp8 --quantization fp8
       ;;
     fp8exact)
-      # The fp8 run without torch._scaled_mm's fast accumulation (PAGEDKV_FP8_FAST_ACCUM=0)
+      # The fp8 run without fast accumulation (PAGEDKV_FP8_FAST_ACCUM=0)
       PAGEDKV_FP8_FAST_ACCUM=0 \
         throughput _fp8_exact --kv-cache-dtype fp8 --quantization fp8
       ;;

@@ -6,6 +6,7 @@ the same kernel in Triton's interpreter (``pagedattn_kernels.common.kernels_for`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,7 @@ _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
+@functools.lru_cache(maxsize=1024)  # called per matmul: the few shapes of a model, per row count
 def pick_config(m: int, n: int, k: int, sms: int, fast_accum: bool = False) -> Fp8MatmulConfig:
     """The tiles for an ``[m, k] x [n, k]`` matmul, from the H200 sweep of
     ``scripts/fp8_weight_only_gemm.py`` over Llama-3-8B's four linear shapes at 16-128 rows

@@ -79,7 +79,7 @@ METHODS = ("fp8",)
 FP8_MATMUL_MAX_ROWS = int(os.environ.get("PAGEDKV_FP8_MATMUL_MAX_ROWS", "128"))
 # ... on these devices (the CPU keeps the float32 fallback, which is the same arithmetic).
 FP8_MATMUL_DEVICES = ("cuda",)
-# torch._scaled_mm's use_fast_accum (see above).
+# torch._scaled_mm's use_fast_accum and fp8_matmul's fast_accum (see above).
 FP8_FAST_ACCUM = os.environ.get("PAGEDKV_FP8_FAST_ACCUM", "1") == "1"
 
 
