@@ -84,11 +84,12 @@ from pagedattn_kernels.attention.triton_kernels import _e4m3_words_to_f16
 
 log = logging.getLogger("decode_fp8_variants")
 
-BF16, CVT, BITS_F16, FP8_MMA, CVT_F16, FMA, PACKED_BITS, PACKED_ASM, PACKED_PF, PACKED_BITS_PF = (
-    range(10))  # fmt: skip
+(BF16, CVT, BITS_F16, FP8_MMA, CVT_F16, FMA, PACKED_BITS, PACKED_ASM, PACKED_PF, PACKED_BITS_PF,
+ VT_F16, VT_A) = range(12)  # fmt: skip
 MODES = {"bf16": BF16, "cvt": CVT, "bits_f16": BITS_F16, "fp8_mma": FP8_MMA, "cvt_f16": CVT_F16,
          "packed_bits": PACKED_BITS, "packed_asm": PACKED_ASM, "packed_pf": PACKED_PF,
-         "packed_bits_pf": PACKED_BITS_PF}  # fmt: skip
+         "packed_bits_pf": PACKED_BITS_PF, "vt_f16": VT_F16, "vt_a": VT_A}  # fmt: skip
+VT = (VT_F16, VT_A)  # V cached transposed within each block: [blocks, kv_heads, dim, block]
 PACKED = (PACKED_BITS, PACKED_ASM, PACKED_PF, PACKED_BITS_PF)
 # CUDA-core variants (``decode_fma_kernel``): name -> (16-bit cache?, AHEAD)
 FMA_MODES = {"fma": (False, 0), "fma_ev": (False, 1), "fma_pf": (False, 2),
@@ -184,14 +185,18 @@ def decode_variant_kernel(
     heads = kv_head * G + g
     q_off = seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_off, mask=(g < G)[:, None], other=0.0)
-    if MODE == 2 or MODE == 4 or MODE == 6 or MODE == 7 or MODE == 8 or MODE == 9:
+    if MODE == 2 or MODE == 4 or MODE == 6 or MODE == 7 or MODE >= 8:
         q = q.to(tl.float16)
+    K_MODE: tl.constexpr = 4 if MODE >= 10 else MODE  # VT_*: K as cvt_f16's
     if MODE == 3:  # per-row e4m3 scale of the query; scores come back times q_scale
         q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1) / 448.0, 1e-12)
         q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
-    acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
+    if MODE == 11:
+        acc = tl.full([HEAD_DIM, BLOCK_G], 0.0, tl.float32)  # transposed: O^T = V^T P^T
+    else:
+        acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
     bt = block_tables + seq * stride_bt
     if MODE == 8 or MODE == 9:  # the first tile's words, before the loop
         w_off = _word_offsets(bt, tl.arange(0, TILE_N), kv_head * stride_head, stride_blk,
@@ -214,7 +219,7 @@ def decode_variant_kernel(
             pos = start + tl.arange(0, TILE_N)
             blk = tl.load(bt + pos // BLOCK_SIZE)
             off = blk * stride_blk + (pos % BLOCK_SIZE) * stride_tok + kv_head * stride_head
-            k = _tile(k_cache, k_words, off, d, d4, HEAD_DIM, MODE)
+            k = _tile(k_cache, k_words, off, d, d4, HEAD_DIM, K_MODE)
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -227,18 +232,31 @@ def decode_variant_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if MODE == 8 or MODE == 9:
             v = _unpack(vw, HEAD_DIM, MODE)
+        elif MODE >= 10:
+            # V^T [HEAD_DIM, TILE_N]: each row runs along the keys, BLOCK_SIZE bytes at a time
+            vt_off = (blk * stride_blk + kv_head * (HEAD_DIM * BLOCK_SIZE) + pos % BLOCK_SIZE)
+            v = tl.load(v_cache + vt_off[None, :] + (d * BLOCK_SIZE)[:, None]).to(tl.float16)
+            if MODE == 10:
+                v = tl.trans(v)
         else:
             v = _tile(v_cache, v_words, off, d, d4, HEAD_DIM, MODE)
         if MODE == 3:
             p = p.to(tl.float8e4nv)  # p in [0, 1]: e4m3 keeps 3 mantissa bits
         else:
             p = p.to(v.dtype)
-        if UPCAST:
+        if MODE == 11 and UPCAST:
+            acc = tl.dot(v.to(tl.float32), tl.trans(p).to(tl.float32), acc * alpha[None, :],
+                         input_precision="ieee")
+        elif MODE == 11:
+            acc = tl.dot(v, tl.trans(p), acc * alpha[None, :])
+        elif UPCAST:
             acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc * alpha[:, None],
                          input_precision="ieee")
         else:
             acc = tl.dot(p, v, acc * alpha[:, None])
         m_i = m_new
+    if MODE == 11:
+        acc = tl.trans(acc)
     out = acc * v_scale / l_i[:, None]
     o_off = seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
@@ -385,6 +403,7 @@ class Problem:
         v = torch.randn(shape, generator=gen, device=device)
         self.k8, self.v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
         self.k16, self.v16 = self.k8.to(torch.bfloat16), self.v8.to(torch.bfloat16)
+        self.v8t = self.v8.permute(0, 2, 3, 1).contiguous()  # the VT_* variants' V
         perm = torch.randperm(batch * per_seq, generator=gen, device=device)
         self.tables = perm.view(batch, per_seq).to(torch.int32)
         self.q = torch.randn(batch, heads, head_dim, generator=gen, device=device)
@@ -408,7 +427,7 @@ def run(p: Problem, mode: str, tile_n: int, warps: int, stages: int, out: torch.
     if mode in FMA_MODES:
         return run_fma(p, mode, tile_n, warps, stages, out)
     m = MODES[mode]
-    k, v = (p.k16, p.v16) if m == BF16 else (p.k8, p.v8)
+    k, v = (p.k16, p.v16) if m == BF16 else (p.k8, p.v8t if m in VT else p.v8)
     # bits_f16 and packed_bits tiles hold the value times 2^-8
     unit = 256.0 if m in (BITS_F16, PACKED_BITS, PACKED_BITS_PF) else 1.0
     g = p.heads // p.kv_heads
@@ -485,6 +504,19 @@ CONFIGS = [  # (mode, tile_n, warps, stages)
     ("packed_pf", 64, 4, 2),  # 129, 12, 546, 0.133
     ("packed_pf", 64, 2, 2),  # 235, 8, 870, 0.106
     ("packed_pf", 32, 1, 2),  # 255, 8, 836, 0.102
+    # V cached transposed within each block ([blocks, kv_heads, dim, block]: a value row runs
+    # along the keys), so P.V finds pairs of consecutive keys side by side in shared memory: no
+    # LDS.U8 (LDS.64 instead), K as cvt_f16's. vt_a multiplies O^T = V^T P^T, V^T the A operand
+    # from registers, on wgmma
+    ("vt_f16", 128, 4, 2),  # 115 regs, 591 instr/tile, 0.072 /B
+    ("vt_f16", 128, 4, 3),  # 116, 661
+    ("vt_f16", 128, 8, 2),  # 80, 420 (8 warps: 0.103 /B)
+    ("vt_f16", 64, 4, 2),  # 92, 393, 0.096
+    ("vt_f16", 64, 4, 3),  # 94, 501
+    ("vt_f16", 64, 2, 2),  # 128, 587, 0.072
+    ("vt_f16", 32, 1, 3),  # 168, 630, 0.077
+    ("vt_a", 128, 4, 2),  # 150 regs, 577 instr/tile (LDS.U16 64, HGMMA 16)
+    ("vt_a", 64, 4, 2),  # 96, 419
     # CUDA-core variants. num_stages does nothing for them (no tl.dot: Triton pipelines no
     # load; the sm_90 SASS is the same for 1 and 3). Comments: registers per thread from
     # offline sm_90 compiles with Triton 3.6 (G = 4, HEAD_DIM 128; no spills) and the
@@ -530,7 +562,7 @@ def check() -> int:
     want = reference(p)
     bad = 0
     for mode in ("bf16", "cvt", "cvt_f16", "bits_f16", "fp8_mma", "packed_bits", "packed_asm",
-                 "packed_bits_pf", "packed_pf"):  # fmt: skip
+                 "packed_bits_pf", "packed_pf", "vt_f16", "vt_a"):  # fmt: skip
         if mode in ("packed_asm", "packed_pf") and dev == "cpu":
             log.info("%-11s needs a GPU (inline assembly; packed_bits checks the unpacking)", mode)
             continue
