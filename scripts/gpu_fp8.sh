@@ -29,6 +29,9 @@
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
+#   bash scripts/gpu_fp8.sh pdl                # ~4 min
+#     a decode step at 16, 64 and 256 sequences of ~900 tokens with PAGEDATTN_PDL=1 and =0,
+#     interleaved twice, bf16 then fp8 -> decode_pdl{1,0}_{bf16,fp8}_{1,2}.json/.log
 #   bash scripts/gpu_fp8.sh fp8swap            # ~2 min, carrying .gpu_data
 #     the fp8 run with PAGEDKV_FP8_MATMUL_MAX_ROWS=${SWAP_ROWS:-0}: torch._scaled_mm for every
 #     matmul, against the engine's pagedattn_kernels.fp8_matmul up to 128 rows
@@ -170,6 +173,24 @@ for part in "${parts[@]}"; do
         grep -E "batch|GPU time|gemm |other |decode_kernel|decode_reduce" "$OUT/decode_profile_${kind}.log" | head -24
       done
       ;;
+    pdl)
+      # A decode step with and without programmatic dependent launch (PAGEDATTN_PDL=1/0), bf16
+      # then fp8 weights and cache, the two interleaved twice: one engine build each, the same
+      # batches, only the kernels' launch differs
+      if [[ "$SMOKE" == 1 ]]; then echo "=== pdl: needs a GPU (skipped in a smoke run)"; continue; fi
+      for kind in bf16 fp8; do
+        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+        for round in 1 2; do
+          for pdl in 1 0; do
+            tag="decode_pdl${pdl}_${kind}_${round}"
+            PAGEDATTN_PDL=$pdl timeout 200 "$PYTHON" -m pagedkv.bench.decode_step \
+              --batch-sizes "${PDL_BATCHES:-16,64,256}" --context 900 --steps 32 --warmup-steps 4 \
+              "${model[@]}" "${extra[@]}" --output-json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1
+            echo "$kind PAGEDATTN_PDL=$pdl round $round (exit $?): $(grep -o '"decode_step_ms": {[^}]*}' "$OUT/$tag.json" 2>/dev/null)"
+          done
+        done
+      done
+      ;;
     fp8swap)
       # The fp8 run again with pagedattn_kernels.fp8_matmul taking the matmuls of up to
       # SWAP_ROWS rows (default 0: torch._scaled_mm for all, against the engine's 128).
@@ -219,6 +240,6 @@ for part in "${parts[@]}"; do
       echo "    exit $?"
       grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
       ;;
-    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8exact, profile, accuracy, diagnose, weightonly)" ;;
+    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8exact, profile, pdl, accuracy, diagnose, weightonly)" ;;
   esac
 done

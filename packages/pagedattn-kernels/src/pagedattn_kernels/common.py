@@ -250,6 +250,29 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+PDL_ENV = "PAGEDATTN_PDL"
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the Triton kernels launch on ``device`` with programmatic dependent launch (PDL):
+    CUDA, compute capability 9.0 (Hopper) or newer, unless ``PAGEDATTN_PDL=0``.
+
+    Why: a decode step is hundreds of short kernels (a layer of Llama-3-8B on an fp8 model is
+    twelve, most of them a few microseconds at small batches), and each normally starts only
+    after the previous one has finished, been retired and the next one launched and spread over
+    the SMs. Launched with PDL, a kernel may start while the previous one in the stream still
+    runs: every kernel here then begins with ``griddepcontrol.wait`` (it blocks until the
+    previous kernel has finished and its writes are visible, so no kernel reads or overwrites
+    anything early) and ``griddepcontrol.launch_dependents`` (the next kernel may launch now).
+    What overlaps is the launch and the scheduling of the next kernel's programs, never their
+    memory accesses. A kernel that follows one not launched so (cuBLAS, a copy) just starts when
+    that one ends. CUDA graphs keep the dependency (captured as a programmatic edge).
+    """
+    if device.type != "cuda" or os.environ.get(PDL_ENV, "1").strip() == "0":
+        return False
+    return capability(device) >= (9, 0)
+
+
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -345,6 +346,7 @@ def decode_kernel(
     F16_PRODUCTS: tl.constexpr,
     PACKED: tl.constexpr,
     ONE_LOOP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
 
@@ -362,6 +364,9 @@ def decode_kernel(
     loads issued while earlier tiles compute); else whole tiles unmasked, then the ragged one
     on its own after the loop (its block-table, K and V loads one after the other).
     """
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -473,6 +478,7 @@ def decode_reduce_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Flash-decoding, phase two. Grid: (num_seqs, num_heads).
 
@@ -480,6 +486,9 @@ def decode_reduce_kernel(
     ``decode_kernel`` computed it from ``partition_size`` and its TILE_N), weighting each by
     exp2(lse - max lse).
     """
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -557,6 +566,7 @@ def prefill_kernel(
     OFFS64: tl.constexpr,
     NEW_KV: tl.constexpr,
     F16_PRODUCTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Causal attention for a packed, mixed batch of query chunks. Grid: (q blocks, kv heads).
 
@@ -579,6 +589,9 @@ def prefill_kernel(
     (255 registers, 64 bytes of stack: ``tools/compile_sm90.py --fp8``); with float16 ones it
     does not (244).
     """
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     # The last query blocks have the most keys to read: start them first (shorter tail).
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)

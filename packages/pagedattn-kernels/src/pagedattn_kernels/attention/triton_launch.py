@@ -19,6 +19,7 @@ from pagedattn_kernels.common import (
     next_power_of_2,
     scale_or_unit,
     sm_count,
+    use_pdl,
 )
 
 KERNELS = "pagedattn_kernels.attention.triton_kernels"
@@ -257,6 +258,7 @@ def paged_decode_attention(
         part_lse = work[rows * head_dim :].view(num_seqs, num_heads, num_splits)
     else:
         part_out = part_lse = out  # unused by the kernel
+    pdl = use_pdl(query.device)
     kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
         scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
@@ -272,7 +274,7 @@ def paged_decode_attention(
         SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
         OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
         F16_PRODUCTS=cfg.f16_products, PACKED=packed, ONE_LOOP=cfg.one_loop,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
@@ -281,7 +283,7 @@ def paged_decode_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
-            SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, num_warps=4,
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -324,8 +326,11 @@ def paged_attention(
         else:
             k_new, v_new = key, value
         new_kv = 2 if tma else 1
-    strides_new = (key.stride(0), key.stride(1), value.stride(0), value.stride(1)) if new_kv else (0,) * 4
+    strides_new = (
+        (key.stride(0), key.stride(1), value.stride(0), value.stride(1)) if new_kv else (0,) * 4
+    )
     offs64 = _needs_64bit_offsets(key_cache, value_cache, *((key, value) if new_kv else ()))
+    pdl = use_pdl(query.device)
     kernel[grid](
         out, query, key_cache, value_cache, k_new, v_new, block_tables, seq_lens, cu_query_lens,
         scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
@@ -338,7 +343,7 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernel, query.dtype),
         KV_FP8=key_cache.dtype == FP8_DTYPE, OFFS64=offs64, NEW_KV=new_kv,
-        F16_PRODUCTS=cfg.f16_products, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F16_PRODUCTS=cfg.f16_products, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -91,9 +92,13 @@ def reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
     E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per token: copy its K and V (all KV heads) into its slot; slot < 0 skips.
     KV_FP8: quantized to e4m3 with the scales on the way (``E4M3``: how, see ``_e4m3``)."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -122,9 +127,13 @@ def copy_blocks_kernel(
     stride_block,
     BLOCK_ELEMS: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid: (num_pairs, num_layers, chunks per block). Copies one chunk of one block of one
     layer from the pair's source block to its destination block."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     pair = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(2)

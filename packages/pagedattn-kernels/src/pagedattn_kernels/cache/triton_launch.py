@@ -15,6 +15,7 @@ from pagedattn_kernels.common import (
     kernels_for,
     next_power_of_2,
     scale_or_unit,
+    use_pdl,
 )
 
 KERNELS = "pagedattn_kernels.cache.triton_kernels"
@@ -33,6 +34,7 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     kernel = kernels_for(key.device, KERNELS).reshape_and_cache_kernel
+    pdl = use_pdl(key.device)
     kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         scale_or_unit(k_scale, key.device), scale_or_unit(v_scale, key.device),
@@ -42,7 +44,7 @@ def reshape_and_cache(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1], KV_FP8=key_cache.dtype == FP8_DTYPE,
-        E4M3=e4m3_encoder(kernel, key.device), num_warps=4,
+        E4M3=e4m3_encoder(kernel, key.device), PDL=pdl, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
 
 
@@ -55,7 +57,8 @@ def copy_blocks(cache3: torch.Tensor, mapping: torch.Tensor) -> None:
         return
     chunk = min(4096, next_power_of_2(block_elems))
     grid = (num_pairs, layers, -(-block_elems // chunk))
+    pdl = use_pdl(cache3.device)
     kernels_for(cache3.device, KERNELS).copy_blocks_kernel[grid](
         cache3, mapping, cache3.stride(0), cache3.stride(1),
-        BLOCK_ELEMS=block_elems, CHUNK=chunk, num_warps=4,
+        BLOCK_ELEMS=block_elems, CHUNK=chunk, PDL=pdl, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip

@@ -39,6 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # ``ROUND``: how a kernel rounds an fp32 value to the model dtype.
 ROUND_NONE = 0  # the model dtype is fp32
@@ -128,6 +129,7 @@ def rms_norm_kernel(
     ADD: tl.constexpr,
     ROUND: tl.constexpr,
     QUANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """ROWS rows per program, each whole (BLOCK_H >= HIDDEN): read once, written once.
 
@@ -142,6 +144,9 @@ def rms_norm_kernel(
     at ``scale_ptr``), the input of an fp8 linear layer; ``out_ptr`` only gives the model
     dtype for the roundings.
     """
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < HIDDEN
@@ -190,6 +195,7 @@ def silu_and_mul_kernel(
     LIBDEVICE: tl.constexpr,
     QUANT: tl.constexpr,
     AMAX: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``out[t, i] = silu(x[t, i]) * x[t, INTER + i]`` for a [ROWS, BLOCK] tile; silu as
     torch computes it, ``g / (1 + expf(-g))``, rounded to the dtype before the product.
@@ -201,6 +207,9 @@ def silu_and_mul_kernel(
     AMAX (tiled fp8 output): the products are stored, and each row's largest magnitude in the
     tile goes to ``partial[row, program_id(1)]`` (``chunks`` per row), for
     ``quantize_fp8_tiles_kernel`` to quantize them without another pass for the scales."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < num_rows
@@ -280,6 +289,7 @@ def rotary_kernel(
     HAS_KEY: tl.constexpr,
     ROUND: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """NeoX ("rotate half") RoPE in place on every query and key head of ROWS tokens.
 
@@ -287,6 +297,9 @@ def rotary_kernel(
     ``RotaryEmbedding.cos_sin`` does: ``fl32(float(position) * inv_freq)``, then
     ``cosf``/``sinf`` rounded to the dtype. No table: any position works.
     """
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     toks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tok_ok = toks < num_tokens
     t64 = toks.to(tl.int64)

@@ -14,7 +14,13 @@ import functools
 
 import torch
 
-from pagedattn_kernels.common import e4m3_encoder, is_interpreted, kernels_for, next_power_of_2
+from pagedattn_kernels.common import (
+    e4m3_encoder,
+    is_interpreted,
+    kernels_for,
+    next_power_of_2,
+    use_pdl,
+)
 from pagedattn_kernels.quant import triton_launch as quant_launch
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
@@ -94,13 +100,14 @@ def rms_norm(
         num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
     residual = residual if add else x
     q, scale = fp8_out if fp8_out is not None else (out2, out2)
+    pdl = use_pdl(x.device)
     kernel[(-(-num_rows // rows),)](
         out2, res_out2, x, residual, weight, num_rows,
         x.stride(0), residual.stride(0), out2.stride(0), res_out2.stride(0),
         _fp32_reciprocal(hidden), eps, q, scale, q.stride(0), MIN_SCALE,
         HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, ADD=add,
         ROUND=_round_mode(x.dtype, interpreted), QUANT=_quant_mode(kernel, x, fp8_out),
-        num_warps=num_warps, enable_fp_fusion=False,
+        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -137,7 +144,9 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     num_warps = 4
     if fp8_out is not None:  # whole rows: the scale needs the row's largest magnitude
         block = next_power_of_2(inter)
-        rows = min(next_power_of_2(num_rows), max(1, _INTERPRETER_TILE // block)) if interpreted else 1
+        rows = (
+            min(next_power_of_2(num_rows), max(1, _INTERPRETER_TILE // block)) if interpreted else 1
+        )
         num_warps = 4 if interpreted or block <= 1024 else 8 if block <= 4096 else 16
     elif interpreted:
         block = min(next_power_of_2(inter), _INTERPRETER_TILE)
@@ -147,11 +156,12 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         rows = max(1, 1024 // block)
     q, scale = fp8_out if fp8_out is not None else (out2, out2)
     grid = (-(-num_rows // rows), -(-inter // block))
+    pdl = use_pdl(x.device)
     kernel[grid](
         out2, x, num_rows, x.stride(0), out2.stride(0), q, scale, q.stride(0), MIN_SCALE, out2, 1,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
         LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), AMAX=False,
-        num_warps=num_warps, enable_fp_fusion=False,
+        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -167,10 +177,11 @@ def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torc
     chunks = -(-inter // block)
     y = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     partial = torch.empty(num_rows, chunks, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x.device)
     kernel[(-(-num_rows // rows), chunks)](
         y, x, num_rows, x.stride(0), y.stride(0), y, y, y.stride(0), MIN_SCALE, partial, chunks,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
-        LIBDEVICE=not interpreted, QUANT=0, AMAX=True, num_warps=4, enable_fp_fusion=False,
+        LIBDEVICE=not interpreted, QUANT=0, AMAX=True, PDL=pdl, launch_pdl=pdl, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     quant_launch.quantize_fp8_from_maxima(y, partial, q, scale, block)
 
@@ -196,11 +207,12 @@ def rotary_embedding(
     else:
         rows = 1
         num_warps = 4 if (block_qh + block_kh) * half_pad <= 4096 else 8
+    pdl = use_pdl(query.device)
     kernel[(-(-num_tokens // rows),)](
         query, k, positions, inv_freq, num_tokens,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1),
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], BLOCK_QH=block_qh, BLOCK_KH=block_kh,
         HALF=half, HALF_PAD=half_pad, ROWS=rows, HAS_KEY=has_key,
         ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
-        num_warps=num_warps, enable_fp_fusion=False,
+        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -81,6 +82,7 @@ def quantize_fp8_per_token_kernel(
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,
     E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid: (rows,). ``scale = max(amax / 448, min_scale)``; ``out = e4m3(clamp(x / scale))``.
 
@@ -88,6 +90,9 @@ def quantize_fp8_per_token_kernel(
     the division, so it is read once. ``cols`` and the strides are specialized on (a model
     has a few widths): unknown to be multiples of 16, they made every load and store one
     element wide (sm_90 SASS: LDG.E.U16 and STG.E.U8 per value)."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     o_row = out_ptr + row * stride_o
@@ -128,10 +133,14 @@ def row_chunk_amax_kernel(
     chunks,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Tiled per-token quantization, first kernel. Grid: (cdiv(rows, ROWS), cdiv(cols, BLOCK)).
     ``partial[r, j]`` (float32, ``chunks`` per row) = the largest magnitude of row r's
     columns ``j * BLOCK ...``: a maximum, so the chunks give the row's exactly."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     j = tl.program_id(1)
     c = j * BLOCK + tl.arange(0, BLOCK)
@@ -159,11 +168,15 @@ def quantize_fp8_tiles_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Tiled per-token quantization, second kernel: a [ROWS, BLOCK] tile per program, as
     ``quantize_fp8_per_token_kernel`` computes each value, with each row's scale from the
     ``CHUNKS`` partial maxima of ``row_chunk_amax_kernel`` (or of a kernel that made the rows
     and their maxima together). The programs of the first column of tiles store the scales."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row_ok = r < rows
@@ -220,6 +233,7 @@ def fp8_matmul_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PROMOTE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
@@ -245,6 +259,9 @@ def fp8_matmul_kernel(
     dot: float32 operands, which hold e4m3 values exactly. PROMOTE: add each BLOCK_K slice's
     fp8 MMA sum into the float32 accumulator (exact accumulation); without it the MMA
     accumulates in its own narrower format throughout (cuBLAS's "fast accumulation")."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -292,9 +309,12 @@ def fp8_matmul_kernel(
 
 @triton.jit(do_not_specialize=["numel", "splits"])
 def fp8_matmul_reduce_kernel(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, numel, N, splits,
-                             stride_ym, BLOCK: tl.constexpr):  # fmt: skip
+                             stride_ym, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """``y[m, n] = (sum over splits of part[s, m, n]) * w_scale[n] * x_scale[m]``, the splits
     of ``fp8_matmul_kernel`` summed in a fixed order (the same result on every run)."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.full([BLOCK], 0.0, tl.float32)

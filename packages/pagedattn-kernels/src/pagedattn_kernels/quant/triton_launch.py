@@ -17,6 +17,7 @@ from pagedattn_kernels.common import (
     kernels_for,
     next_power_of_2,
     sm_count,
+    use_pdl,
 )
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
@@ -55,9 +56,10 @@ def quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor, scale_out: torch.
     one_pass = whole <= ONE_PASS_COLS
     block = whole if one_pass else 2048
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    pdl = use_pdl(x.device)
     kernel[(rows,)](
         x, out, scale_out, cols, x.stride(0), out.stride(0), MIN_SCALE,
-        BLOCK=block, ONE_PASS=one_pass, E4M3=e4m3_encoder(kernel, x.device), num_warps=warps,
+        BLOCK=block, ONE_PASS=one_pass, E4M3=e4m3_encoder(kernel, x.device), PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )  # fmt: skip
     return out, scale_out
 
@@ -84,8 +86,9 @@ def quantize_fp8_tiled(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tens
     tile_rows, block = tile_shape(rows, cols, is_interpreted(kernels.row_chunk_amax_kernel), block)
     chunks = -(-cols // block)
     partial = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x.device)
     kernels.row_chunk_amax_kernel[(-(-rows // tile_rows), chunks)](
-        x, partial, rows, cols, x.stride(0), chunks, ROWS=tile_rows, BLOCK=block, num_warps=4,
+        x, partial, rows, cols, x.stride(0), chunks, ROWS=tile_rows, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return quantize_fp8_from_maxima(x, partial, out, scale_out, block)
 
@@ -100,10 +103,11 @@ def quantize_fp8_from_maxima(x: torch.Tensor, partial: torch.Tensor, out: torch.
     rows, cols = x.shape
     chunks = partial.shape[1]
     tile_rows, block = tile_shape(rows, cols, is_interpreted(kernel), block)
+    pdl = use_pdl(x.device)
     kernel[(-(-rows // tile_rows), -(-cols // block))](
         x, partial, out, scale_out, rows, cols, x.stride(0), out.stride(0), MIN_SCALE,
         CHUNKS=chunks, CHUNKS_P2=next_power_of_2(chunks), ROWS=tile_rows, BLOCK=block,
-        E4M3=e4m3_encoder(kernel, x.device), num_warps=4,
+        E4M3=e4m3_encoder(kernel, x.device), PDL=pdl, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return out, scale_out
 
@@ -210,15 +214,26 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     counters = None
     if split > 1 and cfg.merge_here:
         counters = _merge_counters(xq.device, grid_nm[0] * grid_nm[1])
+    pdl = use_pdl(xq.device)
     kernels.fp8_matmul_kernel[(*grid_nm, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
-        PROMOTE=cfg.promote, num_warps=num_warps, num_stages=cfg.num_stages,
+        PROMOTE=cfg.promote, PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
-            out, part, x_scale, w_scale, m * n, n, split, out.stride(0), BLOCK=1024
+            out,
+            part,
+            x_scale,
+            w_scale,
+            m * n,
+            n,
+            split,
+            out.stride(0),
+            BLOCK=1024,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return out
