@@ -27,6 +27,10 @@ one step:
               copy bandwidth at 64 x 4k); packed_asm stages its words through shared memory
               (cp.async, LDGSTS) and widens them from there, this variant skips that staging
               and overlaps the loads by hand (plain LDG in the sm_90 SASS)
+  vt_f16      V cached transposed within each block ([blocks, kv_heads, dim, block], the layout
+              of vLLM's first value cache), so P.V finds consecutive keys side by side: K as
+              cvt_f16's, V^T loaded as it lies and converted to float16
+  vt_a        the same cache, O^T = V^T P^T with V^T the A operand (wgmma on sm_90)
   fma         no ``tl.dot``: e4m3 tiles converted to float32 and multiplied on CUDA cores
               (broadcast products and sums, per query head), float32 softmax and accumulator
   fma_ev      fma with the V tile loaded together with K, before the scores ("early V")
@@ -62,7 +66,17 @@ ldmatrix for bytes, so an e4m3 V tile is read one byte per LDS.U8. ``cvt_f16`` m
 with 196 registers (8 warps per SM) and 810 instructions per warp and tile (Triton 3.6 offline
 compile). Loaded as words and widened first (``packed_asm``), V is stored to shared memory
 as float16 and read by ldmatrix.trans as a 16-bit cache is: no LDS.U8, 127 registers (12
-warps per SM), 677 instructions (494 with Triton 3.9). Not yet timed on a GPU.
+warps per SM), 677 instructions (494 with Triton 3.9); measured 51-68%, no faster.
+
+Nor is the byte-wise read of V the bound: transposed in the cache (``vt_f16``), V is read
+back by LDS.64, no LDS.U8, in 115 registers and 591 instructions a tile (cvt_f16: 196 and
+810), yet it measured 66-70% at 64 x 4k and 58-65% at 256 x 512, as cvt_f16 (67-72%, 58-63%)
+and the shipped kernel (72.9%, 63.2%); ``vt_a`` the same (H200, 2026-12-02, 119317a). What
+the fp8 variants share is half the bytes per tile for the same per-tile critical path (wait
+for the tile, convert, score, softmax, accumulate) at the same 16 warps per SM: at 64 x 4k
+each program spends 5.8 us a tile (bf16 8.9 us for twice the bytes), about 0.8 instructions
+per cycle per SM, far below what an SM issues. The kernel is bound by that path's latency,
+not by any one instruction kind; more bytes in flight per SM is what would help.
 
     python scripts/decode_fp8_variants.py --output-json OUT.json       # on a GPU
     TRITON_INTERPRET=1 python scripts/decode_fp8_variants.py --check   # CPU: outputs only
@@ -234,7 +248,7 @@ def decode_variant_kernel(
             v = _unpack(vw, HEAD_DIM, MODE)
         elif MODE >= 10:
             # V^T [HEAD_DIM, TILE_N]: each row runs along the keys, BLOCK_SIZE bytes at a time
-            vt_off = (blk * stride_blk + kv_head * (HEAD_DIM * BLOCK_SIZE) + pos % BLOCK_SIZE)
+            vt_off = blk * stride_blk + kv_head * (HEAD_DIM * BLOCK_SIZE) + pos % BLOCK_SIZE
             v = tl.load(v_cache + vt_off[None, :] + (d * BLOCK_SIZE)[:, None]).to(tl.float16)
             if MODE == 10:
                 v = tl.trans(v)
@@ -507,16 +521,17 @@ CONFIGS = [  # (mode, tile_n, warps, stages)
     # V cached transposed within each block ([blocks, kv_heads, dim, block]: a value row runs
     # along the keys), so P.V finds pairs of consecutive keys side by side in shared memory: no
     # LDS.U8 (LDS.64 instead), K as cvt_f16's. vt_a multiplies O^T = V^T P^T, V^T the A operand
-    # from registers, on wgmma
-    ("vt_f16", 128, 4, 2),  # 115 regs, 591 instr/tile, 0.072 /B
-    ("vt_f16", 128, 4, 3),  # 116, 661
-    ("vt_f16", 128, 8, 2),  # 80, 420 (8 warps: 0.103 /B)
-    ("vt_f16", 64, 4, 2),  # 92, 393, 0.096
-    ("vt_f16", 64, 4, 3),  # 94, 501
-    ("vt_f16", 64, 2, 2),  # 128, 587, 0.072
-    ("vt_f16", 32, 1, 3),  # 168, 630, 0.077
-    ("vt_a", 128, 4, 2),  # 150 regs, 577 instr/tile (LDS.U16 64, HGMMA 16)
-    ("vt_a", 64, 4, 2),  # 96, 419
+    # from registers, on wgmma. Comments: offline registers and instructions a tile; H200
+    # share of the copy bandwidth at 64 x 4k and at 256 x 512 (119317a)
+    ("vt_f16", 128, 4, 2),  # 115 regs, 591 instr/tile: 70.2%, 63.1%
+    ("vt_f16", 128, 4, 3),  # 116, 661: 68.9%, 62.5%
+    ("vt_f16", 128, 8, 2),  # 80, 420 (8 warps): 50.0%, 56.7%
+    ("vt_f16", 64, 4, 2),  # 92, 393: 66.6%, 58.2%
+    ("vt_f16", 64, 4, 3),  # 94, 501: 64.0%, 55.7%
+    ("vt_f16", 64, 2, 2),  # 128, 587: 67.1%, 65.0%
+    ("vt_f16", 32, 1, 3),  # 168, 630: 59.4%, 56.0%
+    ("vt_a", 128, 4, 2),  # 150 regs, 577 instr/tile (LDS.U16 64, HGMMA 16): 46.6%, 58.4%
+    ("vt_a", 64, 4, 2),  # 96, 419: 70.3%, 63.1%
     # CUDA-core variants. num_stages does nothing for them (no tl.dot: Triton pipelines no
     # load; the sm_90 SASS is the same for 1 and 3). Comments: registers per thread from
     # offline sm_90 compiles with Triton 3.6 (G = 4, HEAD_DIM 128; no spills) and the
