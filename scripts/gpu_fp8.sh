@@ -65,7 +65,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: PROFILE_BATCHES (16,48), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: PROFILE_BATCHES (16,48), PDL_BATCHES (16,64,256), BASELINES_BF16 (1; 0: no transformers runs), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -152,7 +152,9 @@ for part in "${parts[@]}"; do
         "'gemm_fp8', 'quant_', 'silu_fp8'" "${kargs[@]}"
       ;;
     bf16)
-      throughput "" "${baselines[@]}"
+      bf16_baselines=("${baselines[@]}")
+      [[ "${BASELINES_BF16:-1}" == 0 ]] && bf16_baselines=()
+      throughput "" "${bf16_baselines[@]}"
       ;;
     fp8)
       fp8_baselines=()
@@ -186,7 +188,7 @@ for part in "${parts[@]}"; do
             PAGEDATTN_PDL=$pdl timeout 200 "$PYTHON" -m pagedkv.bench.decode_step \
               --batch-sizes "${PDL_BATCHES:-16,64,256}" --context 900 --steps 32 --warmup-steps 4 \
               "${model[@]}" "${extra[@]}" --output-json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1
-            echo "$kind PAGEDATTN_PDL=$pdl round $round (exit $?): $(grep -o '"decode_step_ms": {[^}]*}' "$OUT/$tag.json" 2>/dev/null)"
+            echo "$kind PAGEDATTN_PDL=$pdl round $round (exit $?): $(tail -1 "$OUT/$tag.log")"
           done
         done
       done
