@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch on one H200, in one call (~8 min, carrying .gpu_data and
+# Programmatic dependent launch on one H200, in one call (~7 min, carrying .gpu_data and
 # .gpu_commit): a decode step with PAGEDATTN_PDL=1 and =0 (gpu_fp8.sh pdl, 16 and 64
 # sequences), then the end-to-end runs of gpu_fp8.sh (real ShareGPT, 1,000 requests, no
 # transformers baselines) interleaved: fp8 with and without PDL, bf16 with and without.

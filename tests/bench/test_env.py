@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,18 @@ def test_pagedkv_commit_wins(monkeypatch):
     monkeypatch.setenv("PAGEDKV_COMMIT", "abc1234")
     assert env.git_commit() == "abc1234"
     assert env.environment()["commit"] == "abc1234"
+
+
+def test_settings_that_change_a_run_are_recorded(monkeypatch):
+    """Two runs that differ only in ``PAGEDATTN_PDL`` (or an fp8 switch) have the same command
+    line: the environment record tells them apart; unrelated variables stay out."""
+    for key in [k for k in os.environ if k.startswith(env.SETTING_PREFIXES)]:
+        monkeypatch.delenv(key)
+    assert "settings" not in env.environment()
+    monkeypatch.setenv("PAGEDATTN_PDL", "0")
+    monkeypatch.setenv("PAGEDKV_FP8_FAST_ACCUM", "1")
+    monkeypatch.setenv("PAGEDKV_UNRELATED", "x")
+    assert env.environment()["settings"] == {"PAGEDATTN_PDL": "0", "PAGEDKV_FP8_FAST_ACCUM": "1"}
 
 
 def test_torch_is_reported_once_loaded():

@@ -197,6 +197,9 @@ def main() -> None:
     # e4m3 encoder: compile the sm_90 one (the hardware conversion).
     for launcher in (cache, fused, quant):
         launcher.e4m3_encoder = lambda kernel, device: 2
+    # ... and with programmatic dependent launch, as on an sm_90 GPU (common.use_pdl).
+    for launcher in (attention, cache, fused, quant):
+        launcher.use_pdl = lambda device: True
 
     if args.fp8:
         _fp8_variants()

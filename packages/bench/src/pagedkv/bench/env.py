@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["command_line", "environment", "git_commit", "hardware", "package_versions"]
+__all__ = ["command_line", "environment", "git_commit", "hardware", "package_versions", "settings"]
 
 #: The pagedkv distributions, and the module whose folder holds each one's ``__about__.py``.
 DISTRIBUTIONS = {
@@ -110,6 +110,16 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+#: Environment variables that change what a run measures (kernel launch, fp8 paths, backend).
+SETTING_PREFIXES = ("PAGEDATTN_", "PAGEDKV_FP8_")
+
+
+def settings() -> dict[str, str]:
+    """The ``PAGEDATTN_*`` and ``PAGEDKV_FP8_*`` variables set for this run (e.g.
+    ``PAGEDATTN_PDL=0``): the command line alone would not tell two such runs apart."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTING_PREFIXES)}
+
+
 def hardware(device: Any = None) -> str:
     """One line about the device a benchmark measures: the GPU's name, SMs and memory for a
     CUDA device (``device`` or, by default, the current one when torch sees a GPU), else the
@@ -141,6 +151,8 @@ def environment(
         "command": command_line(argv, prog),
         "packages": package_versions(),
     }
+    if switches := settings():
+        info["settings"] = switches
     torch = sys.modules.get("torch")
     if torch is None:
         return info
