@@ -7,6 +7,7 @@ the same kernel in Triton's interpreter (``pagedattn_kernels.common.kernels_for`
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -186,6 +187,24 @@ def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
     return max(splits, key=lambda s: (tiles * s / (-(-tiles * s // sms) * sms), -s))
 
 
+PREFETCH_ENV = "PAGEDATTN_FP8_PREFETCH"
+
+
+def prefetch_bytes() -> int:
+    """``fp8_matmul_kernel``'s PREFETCH from ``$PAGEDATTN_FP8_PREFETCH``: 0 (the default) or a
+    power of two from 128, the bytes of each weight row a program asks L2 for before it waits
+    on the kernel before it (only with PDL). Off by default until an H200 A/B run
+    (``scripts/gpu_fp8.sh prefetch``) shows it pays."""
+    raw = os.environ.get(PREFETCH_ENV, "0").strip() or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value != 0 and (value < 128 or value & (value - 1)):
+        raise ValueError(f"${PREFETCH_ENV}={raw!r}: use 0 (off) or a power of two from 128 bytes")
+    return value
+
+
 def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                w_scale: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None = None,
                fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
@@ -215,12 +234,14 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     if split > 1 and cfg.merge_here:
         counters = _merge_counters(xq.device, grid_nm[0] * grid_nm[1])
     pdl = use_pdl(xq.device)
+    prefetch = prefetch_bytes() if pdl else 0
     kernels.fp8_matmul_kernel[(*grid_nm, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
-        PROMOTE=cfg.promote, PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=cfg.num_stages,
+        PROMOTE=cfg.promote, PDL=pdl, PREFETCH=prefetch, launch_pdl=pdl, num_warps=num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
