@@ -539,6 +539,29 @@ def test_bad_scales_change_nothing(seed, scale, match, backend):
     assert bool(out.isnan().all())
 
 
+def test_missing_scales(monkeypatch):
+    """What the kernels get for ``k_scale=None``: a 16-bit cache's kernels never read a scale
+    and get the cache itself (nothing allocated, so a CUDA graph capture may come first); an
+    fp8 cache gets a 1.0 kept per device, which a capture cannot make (its kernel would only
+    be recorded), so a first use inside one is refused with a clear error."""
+    from types import SimpleNamespace
+
+    from pagedattn_kernels import common
+
+    bf16 = torch.zeros(2, 16, 1, 8, dtype=torch.bfloat16)
+    assert common.scale_or_unit(None, bf16) is bf16
+    given = torch.tensor([0.5])
+    assert common.scale_or_unit(given, bf16.to(FP8)) is given
+    unit = common.scale_or_unit(None, bf16.to(FP8))
+    assert unit.dtype == torch.float32 and unit.tolist() == [1.0]
+    assert common.scale_or_unit(None, bf16.to(FP8)) is unit  # kept, not made again
+    fresh_gpu_cache = SimpleNamespace(dtype=FP8, device=torch.device("cuda", 99))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="CUDA graph capture"):
+        common.scale_or_unit(None, fresh_gpu_cache)
+    assert torch.device("cuda", 99) not in common._UNITS
+
+
 def test_fp8_query_or_mismatched_caches_are_refused(seed):
     gen = torch.Generator().manual_seed(seed)
     kc = torch.randn(3, 16, 2, 64, generator=gen).to(FP8)

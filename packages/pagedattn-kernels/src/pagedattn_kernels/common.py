@@ -302,14 +302,31 @@ def e4m3_encoder(kernel: object, device: torch.device) -> int:
     return 2
 
 
-@functools.cache
-def _unit(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, dtype=torch.float32, device=device)
+_UNITS: dict[torch.device, torch.Tensor] = {}
 
 
-def scale_or_unit(scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The scale tensor a kernel reads: the given one, or a cached 1.0 on ``device``."""
-    return scale if scale is not None else _unit(device)
+def scale_or_unit(scale: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
+    """The K or V scale tensor a kernel gets for ``cache``: the given one; for an fp8 cache
+    without one, a 1.0 kept per device; a 16-bit cache's kernels never read it, so they get the
+    cache itself (a valid pointer, and nothing allocated).
+
+    The 1.0 is written by a kernel, which a CUDA graph capture records but does not run: made
+    inside a capture, it would hold garbage until the graph first replays. So an fp8 cache
+    without scales must first be used outside a capture (the engine always passes scales)."""
+    if scale is not None:
+        return scale
+    if cache.dtype != FP8_DTYPE:
+        return cache
+    unit = _UNITS.get(cache.device)
+    if unit is None:
+        if cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "an fp8 cache without k_scale/v_scale reads a 1.0 made at its first use, which "
+                "a CUDA graph capture cannot make: pass the scales, or call once outside the "
+                "capture first"
+            )
+        unit = _UNITS[cache.device] = torch.ones(1, dtype=torch.float32, device=cache.device)
+    return unit
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

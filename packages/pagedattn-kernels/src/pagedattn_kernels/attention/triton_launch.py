@@ -261,7 +261,7 @@ def paged_decode_attention(
     pdl = use_pdl(query.device)
     kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
+        scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         scale * 1.4426950408889634, min_partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -333,7 +333,7 @@ def paged_attention(
     pdl = use_pdl(query.device)
     kernel[grid](
         out, query, key_cache, value_cache, k_new, v_new, block_tables, seq_lens, cu_query_lens,
-        scale_or_unit(k_scale, query.device), scale_or_unit(v_scale, query.device),
+        scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         scale * 1.4426950408889634, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -37,7 +37,7 @@ def reshape_and_cache(
     pdl = use_pdl(key.device)
     kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        scale_or_unit(k_scale, key.device), scale_or_unit(v_scale, key.device),
+        scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
