@@ -16,7 +16,9 @@ HBM, not from the 50 MB L2. Per row: ``us``, ``bw_frac`` (the cache bytes read a
 copy bandwidth) and ``vs_bf16`` (the bfloat16 cache's time over this one: 2.0 would be the
 bytes' ratio). On an H200 (bd0f549, 8c1dddc) a run stopped at a "CUDA error: operation not
 supported on global/shared address space" after some shapes, at the first allocation or graph
-of the next one; not yet explained (the engine decodes those shapes without it).
+of the next one; not yet explained (the engine decodes those shapes without it). Such an error
+is raised by an earlier kernel and reported at the next synchronisation: run the same shapes
+with ``CUDA_LAUNCH_BLOCKING=1`` (each variant is logged before it runs) to name the kernel.
 
     python scripts/decode_fp8_engine_shapes.py --output-json OUT.json       # on a GPU
     TRITON_INTERPRET=1 python scripts/decode_fp8_engine_shapes.py --check   # CPU: outputs only
@@ -149,6 +151,10 @@ def main() -> int:
                                                            cfg.num_stages, cfg.per_sm,
                                                            cfg.one_loop],
                        "splits": splits}  # fmt: skip
+                # named before it runs: a sticky CUDA error (run with CUDA_LAUNCH_BLOCKING=1)
+                # then points at the variant whose kernel raised it, not at the next one
+                log.info("run B=%d ctx=%d %s %s splits=%s", batch, context, row["kv"],
+                         row["config"], splits)  # fmt: skip
                 try:
                     us = triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3
                 except Exception as exc:  # a tile that does not compile or fit
