@@ -76,7 +76,9 @@ the fp8 variants share is half the bytes per tile for the same per-tile critical
 for the tile, convert, score, softmax, accumulate) at the same 16 warps per SM: at 64 x 4k
 each program spends 5.8 us a tile (bf16 8.9 us for twice the bytes), about 0.8 instructions
 per cycle per SM, far below what an SM issues. The kernel is bound by that path's latency,
-not by any one instruction kind; more bytes in flight per SM is what would help.
+not by any one instruction kind; more bytes in flight per SM is what would help. (The
+eighth session's key-major value cache in the shipped kernel found the same: 58.9% against
+66.3%, ``docs/packages/pagedattn-kernels.md``.)
 
     python scripts/decode_fp8_variants.py --output-json OUT.json       # on a GPU
     TRITON_INTERPRET=1 python scripts/decode_fp8_variants.py --check   # CPU: outputs only
