@@ -283,7 +283,8 @@ def paged_decode_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
-            SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, PDL=pdl, launch_pdl=pdl, num_warps=4,
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, PDL=pdl,
+            launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -343,7 +344,8 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernel, query.dtype),
         KV_FP8=key_cache.dtype == FP8_DTYPE, OFFS64=offs64, NEW_KV=new_kv,
-        F16_PRODUCTS=cfg.f16_products, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F16_PRODUCTS=cfg.f16_products, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

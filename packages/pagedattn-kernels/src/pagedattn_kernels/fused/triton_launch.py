@@ -181,7 +181,8 @@ def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torc
     kernel[(-(-num_rows // rows), chunks)](
         y, x, num_rows, x.stride(0), y.stride(0), y, y, y.stride(0), MIN_SCALE, partial, chunks,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
-        LIBDEVICE=not interpreted, QUANT=0, AMAX=True, PDL=pdl, launch_pdl=pdl, num_warps=4, enable_fp_fusion=False,
+        LIBDEVICE=not interpreted, QUANT=0, AMAX=True, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        enable_fp_fusion=False,
     )  # fmt: skip
     quant_launch.quantize_fp8_from_maxima(y, partial, q, scale, block)
 

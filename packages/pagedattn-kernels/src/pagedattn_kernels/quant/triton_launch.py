@@ -60,7 +60,8 @@ def quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor, scale_out: torch.
     pdl = use_pdl(x.device)
     kernel[(rows,)](
         x, out, scale_out, cols, x.stride(0), out.stride(0), MIN_SCALE,
-        BLOCK=block, ONE_PASS=one_pass, E4M3=e4m3_encoder(kernel, x.device), PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        BLOCK=block, ONE_PASS=one_pass, E4M3=e4m3_encoder(kernel, x.device), PDL=pdl,
+        launch_pdl=pdl, num_warps=warps,
     )  # fmt: skip
     return out, scale_out
 
@@ -89,7 +90,8 @@ def quantize_fp8_tiled(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tens
     partial = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x.device)
     kernels.row_chunk_amax_kernel[(-(-rows // tile_rows), chunks)](
-        x, partial, rows, cols, x.stride(0), chunks, ROWS=tile_rows, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        x, partial, rows, cols, x.stride(0), chunks, ROWS=tile_rows, BLOCK=block, PDL=pdl,
+        launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return quantize_fp8_from_maxima(x, partial, out, scale_out, block)
 
@@ -195,9 +197,13 @@ def prefetch_bytes() -> int:
     power of two from 128, the bytes of each weight row a program asks L2 for before it waits
     on the kernel before it (only with PDL). Off by default until an H200 A/B run
     (``scripts/gpu_fp8.sh prefetch``) shows it pays."""
-    raw = os.environ.get(PREFETCH_ENV, "0").strip() or "0"
+    return _parse_prefetch(os.environ.get(PREFETCH_ENV, "0"))
+
+
+@functools.lru_cache(maxsize=8)  # read per matmul: parse each value once
+def _parse_prefetch(raw: str) -> int:
     try:
-        value = int(raw)
+        value = int(raw.strip() or "0")
     except ValueError:
         value = -1
     if value != 0 and (value < 128 or value & (value - 1)):
@@ -245,16 +251,7 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
-            out,
-            part,
-            x_scale,
-            w_scale,
-            m * n,
-            n,
-            split,
-            out.stride(0),
-            BLOCK=1024,
-            PDL=pdl,
-            launch_pdl=pdl,
-        )
+            out, part, x_scale, w_scale, m * n, n, split, out.stride(0), BLOCK=1024,
+            PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
     return out
