@@ -32,6 +32,10 @@
 #   bash scripts/gpu_fp8.sh pdl                # ~4 min
 #     a decode step at 16, 64 and 256 sequences of ~900 tokens with PAGEDATTN_PDL=1 and =0,
 #     interleaved twice, bf16 then fp8 -> decode_pdl{1,0}_{bf16,fp8}_{1,2}.json/.log
+#   bash scripts/gpu_fp8.sh ropecache          # ~4 min
+#     a decode step at 16, 64 and 256 sequences with the rotary embedding in the cache-write
+#     kernel (PAGEDKV_FUSED_ROPE_CACHE=1) and apart (=0): fp8 interleaved twice, bf16 once;
+#     then the fp8 step at 16 by kernel           -> decode_profile_fp8_ropecache.log
 #   bash scripts/gpu_fp8.sh prefetch           # ~7 min, carrying .gpu_data
 #     a decode step of the fp8 model at PAGEDATTN_FP8_PREFETCH=0/512/1024/2048 (fp8_matmul's
 #     L2 prefetch of its weights before the PDL wait), interleaved twice; then the fp8 run at 0
@@ -69,7 +73,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: PROFILE_BATCHES (16,48), PDL_BATCHES (16,64,256), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: PROFILE_BATCHES (16,48), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -196,6 +200,27 @@ for part in "${parts[@]}"; do
           done
         done
       done
+      ;;
+    ropecache)
+      # The rotary embedding fused into the cache write (PAGEDKV_FUSED_ROPE_CACHE=1, the
+      # default) against the two kernels (=0): a decode step of the fp8 model interleaved twice,
+      # bf16 once, logs in /tmp and the figures printed (a call returns 8 files); then the fp8
+      # step at 16 sequences by kernel with the fused kernel
+      if [[ "$SMOKE" == 1 ]]; then echo "=== ropecache: needs a GPU (skipped in a smoke run)"; continue; fi
+      for kind in fp8 fp8 bf16; do
+        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+        for fuse in 1 0; do
+          tag="decode_ropecache${fuse}_${kind}"
+          PAGEDKV_FUSED_ROPE_CACHE=$fuse timeout 200 "$PYTHON" -m pagedkv.bench.decode_step \
+            --batch-sizes "${PDL_BATCHES:-16,64,256}" --context 900 --steps 32 --warmup-steps 4 \
+            "${model[@]}" "${extra[@]}" > "/tmp/$tag.log" 2>&1
+          echo "$kind PAGEDKV_FUSED_ROPE_CACHE=$fuse (exit $?): $(tail -1 "/tmp/$tag.log")"
+        done
+      done
+      timeout 200 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes 16 --context 900 \
+        --steps 16 --warmup-steps 4 --profile-steps 4 "${model[@]}" --kv-cache-dtype fp8 \
+        --quantization fp8 > "$OUT/decode_profile_fp8_ropecache.log" 2>&1
+      grep -E "GPU time|^    [a-z]|_kernel" "$OUT/decode_profile_fp8_ropecache.log" | head -24
       ;;
     prefetch)
       # fp8_matmul's L2 prefetch of its weights before it waits on the kernel before it

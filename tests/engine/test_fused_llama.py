@@ -38,7 +38,7 @@ def _count_fused_launches(monkeypatch) -> dict[str, int]:
     from pagedattn_kernels.fused import triton_launch
 
     counts: dict[str, int] = {}
-    for name in ("rms_norm", "silu_and_mul", "rotary_embedding"):
+    for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "rotary_embedding_and_cache"):
         real = getattr(triton_launch, name)
 
         def spy(*args, _real=real, _name=name):
@@ -56,9 +56,11 @@ def _generate_both(monkeypatch, model, config, prompts, paged_generate, device="
     kw = dict(prefill_chunk=6, block_size=4, device=device)
     fused = paged_generate(model, config, prompts, NEW_TOKENS, **kw)
     num_layers = config.num_layers
-    # Per forward pass: 2 norms per layer + the final one, 1 SiLU and 1 rotary per layer.
+    # Per forward pass: 2 norms per layer + the final one, 1 SiLU per layer, and 1 rotary per
+    # layer, inside the kernel that writes the cache (no separate rotary launch).
     assert counts["rms_norm"] == fused.steps * (2 * num_layers + 1)
-    assert counts["silu_and_mul"] == counts["rotary_embedding"] == fused.steps * num_layers
+    assert counts["silu_and_mul"] == counts["rotary_embedding_and_cache"] == fused.steps * num_layers
+    assert "rotary_embedding" not in counts
     monkeypatch.setattr(layers, "fused_kernels_enabled", lambda device: False)
     unfused = paged_generate(model, config, prompts, NEW_TOKENS, **kw)
     monkeypatch.undo()
@@ -100,6 +102,31 @@ def test_fused_kernels_bfloat16_prefill_logits(monkeypatch, tiny_checkpoint, tin
     clear = (top2[:, 0] - top2[:, 1]) > spread / 32
     assert bool((fused.argmax(-1) == plain.argmax(-1))[clear].all())
     assert float((diff == 0).float().mean()) > 0.5  # mostly bit-identical
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rotary_fused_with_the_cache_write_changes_no_bit(
+    cache_dtype, monkeypatch, tiny_checkpoint, tiny_prompts
+):
+    """The rotary embedding in the kernel that writes the cache (``rotary_embedding_and_cache``)
+    against the rotary kernel then ``reshape_and_cache``: the same hidden states and the same
+    cache contents, bit for bit (bfloat16 model; a bfloat16 or an fp8 cache)."""
+    config, model = _load(tiny_checkpoint("llama3-rope"), dtype=torch.bfloat16)
+    ids, pos, meta, kv = _packed_prefill(config, tiny_prompts, torch.bfloat16)
+    kv = kv.to(cache_dtype)
+    monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
+    runs = []
+    for fuse in (True, False):
+        monkeypatch.setattr(layers, "_FUSE_ROPE_AND_CACHE", fuse)
+        counts = _count_fused_launches(monkeypatch)
+        caches = kv.clone()
+        with torch.inference_mode():
+            hidden = model(ids, pos, [(c[0], c[1]) for c in caches], meta)
+        launches = counts.get("rotary_embedding_and_cache", 0), counts.get("rotary_embedding", 0)
+        assert launches == ((config.num_layers, 0) if fuse else (0, config.num_layers))
+        runs.append((hidden, caches.view(torch.uint8)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
 
 
 def _packed_prefill(config, prompts, dtype):

@@ -459,3 +459,119 @@ def test_all_fused_ops_replay_in_a_cuda_graph(seed):
         return n1, n2, r2, pk.silu_and_mul(b["gu"]), b["qkv"]
 
     _assert_graph_replays_like_eager(fresh, step, seed)
+
+
+# --------------------------------------------------------------------------- rotary + cache write
+
+# (tokens, heads, kv heads, head_dim, dtype, cache dtype, block size)
+ROPE_CACHE_CASES = [
+    (9, 8, 2, 128, BF16, BF16, 16),
+    (13, 4, 4, 64, F32, F32, 8),
+    (6, 6, 2, 80, F16, F16, 4),
+    (11, 8, 2, 128, BF16, torch.float8_e4m3fn, 16),
+    (5, 9, 3, 64, F16, torch.float8_e4m3fn, 8),
+]
+
+
+def _cache_bits(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
+@pytest.mark.parametrize(
+    "case", ROPE_CACHE_CASES, ids=lambda c: f"t{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}-{c[4]}-{c[5]}"
+)
+def test_rotary_embedding_and_cache(target, seed, case):
+    """One kernel for the rotary embedding and the cache write: exactly the two ops in
+    sequence on the same backend (queries, keys, both caches, bit for bit), and within the
+    rotary tolerance of the float64 math; slot -1 writes nothing; Q/K/V are views of one
+    fused projection output, as in the model."""
+    tokens, heads, kv_heads, head_dim, dtype, cache_dtype, block_size = case
+    tokens = 500 + tokens if target.full else tokens
+    gen = target.generator(seed)
+    dev = target.device
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device=dev)
+    qkv = qkv.to(dtype)
+    positions = torch.randint(0, 1 << 14, (tokens,), generator=gen, device=dev)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim)
+    num_blocks = -(-tokens // block_size) + 2
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=gen, device=dev).to(cache_dtype) for _ in range(2)]
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=dev)[:tokens]
+    slots[torch.rand(tokens, generator=gen, device=dev) < 0.2] = -1
+    scales = {}
+    if cache_dtype == torch.float8_e4m3fn:
+        scales = {"k_scale": torch.tensor([0.05], device=dev), "v_scale": torch.tensor([0.8], device=dev)}
+
+    def split(t):
+        q = t[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = t[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        return q, k, t[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+
+    fused, fused_caches = qkv.clone(), [c.clone() for c in caches]
+    pk.rotary_embedding_and_cache(positions, *split(fused), inv_freq, *fused_caches, slots,
+                                  backend=target.backend, **scales)  # fmt: skip
+    apart, apart_caches = qkv.clone(), [c.clone() for c in caches]
+    q, k, v = split(apart)
+    pk.rotary_embedding(positions, q, k, inv_freq, backend=target.backend)
+    pk.reshape_and_cache(k, v, *apart_caches, slots, backend=target.backend, **scales)
+    assert torch.equal(fused, apart), f"seed={seed}"
+    for got, want in zip(fused_caches, apart_caches):
+        assert torch.equal(_cache_bits(got), _cache_bits(want)), f"seed={seed}"
+
+    q0, k0, v0 = split(qkv)
+    q64, k64 = reference.rotary_embedding_and_cache(positions, q0, k0, v0, inv_freq,
+                                                    *[c.clone() for c in caches], slots, **scales)  # fmt: skip
+    half = head_dim // 2
+    for got, want, orig in ((split(fused)[0], q64, q0), (split(fused)[1], k64, k0)):
+        pair = orig.double().abs()
+        scale = torch.cat((pair[..., :half] + pair[..., half:],) * 2, dim=-1)
+        _assert_close_to_f64(got, want, 1.5 * scale, f"seed={seed}")
+    # The caches hold what reshape_and_cache's reference stores for the op's own rotated keys
+    # (as numbers: fp8 has a -0), and nothing else changed.
+    ref_caches = [c.clone() for c in caches]
+    reference.reshape_and_cache(split(fused)[1], v0, *ref_caches, slots, **scales)
+    for got, want in zip(fused_caches, ref_caches):
+        assert torch.equal(got.double(), want.double()), f"seed={seed}"
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=dev)
+    written[slots[slots >= 0]] = True
+    for got, orig in zip(fused_caches, caches):
+        kept = _cache_bits(got).flatten(0, 1)[~written], _cache_bits(orig).flatten(0, 1)[~written]
+        assert torch.equal(*kept), "slot -1 and unused slots stay untouched"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rotary_embedding_and_cache_rejects_and_changes_nothing(backend):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 16, generator=gen)
+    k = torch.randn(3, 2, 16, generator=gen)
+    v = torch.randn(3, 2, 16, generator=gen)
+    kc, vc = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+    pos, inv, slots = torch.tensor([0, 5, 9]), torch.ones(8), torch.tensor([0, 3, 7])
+    everything = (q, k, v, kc, vc)
+
+    def call(*, q=q, k=k, v=v, kc=kc, vc=vc, pos=pos, slots=slots, **extra):
+        return lambda: pk.rotary_embedding_and_cache(pos, q, k, v, inv, kc, vc, slots,
+                                                     backend=backend, **extra)  # fmt: skip
+
+    _rejected(call(k=None), *everything, match="key must be a tensor")
+    _rejected(call(v=v[:, :1]), *everything, match="differ in shape")
+    _rejected(call(slots=torch.tensor([0, 3, 8])), *everything, match="slot_mapping holds")
+    _rejected(call(pos=pos[:2]), *everything, match="positions must have shape")
+    _rejected(call(kc=kc[..., :8], vc=vc[..., :8]), *everything, match="head dim|caches hold")
+    _rejected(call(k_scale=torch.ones(1)), *everything, match="fp8 caches only")
+    _rejected(call(v=k), *everything, match="must not share memory")
+    with pytest.raises(ValueError, match="rotary_embedding_and_cache"):
+        call(slots=torch.tensor([0, 3, 99]))()
+
+
+def test_rotary_embedding_and_cache_empty(target):
+    dev = target.device
+    q = torch.empty(0, 4, 64, device=dev)
+    k = torch.empty(0, 2, 64, device=dev)
+    kc = torch.randn(2, 4, 2, 64, device=dev)
+    before = kc.clone()
+    pk.rotary_embedding_and_cache(torch.empty(0, dtype=torch.int64, device=dev), q, k, k.clone(),
+                                  torch.ones(32, device=dev), kc, kc.clone(),
+                                  torch.empty(0, dtype=torch.int64, device=dev),
+                                  backend=target.backend)  # fmt: skip
+    assert torch.equal(kc, before)

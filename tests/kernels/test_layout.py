@@ -33,6 +33,7 @@ ENGINE_NAMES = {
     "silu_and_mul_fp8",
     "fp8_matmul",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "quantize_fp8_per_token",
     "resolve_backend",
     "MAX_HIDDEN",

@@ -4,7 +4,7 @@ that it changes nothing but the time.
 With PDL a kernel may start while the previous one still runs; each kernel waits at its top
 for the previous one's writes. A kernel that read its input before that wait, or a wait left
 out, would make the results depend on timing. The GPU test runs one fp8 decode layer's chain
-of kernels (norm and quantization, fp8 matmuls with split K, rotary, the cache write, split
+of kernels (norm and quantization, fp8 matmuls with split K, rotary with the cache write, split
 decode attention and its merge, the fused activation), each reading what the one before wrote,
 eagerly and replayed in a CUDA graph, and asks for the same bits with PDL as without (and
 with ``fp8_matmul``'s L2 prefetch of its weights before the wait).
@@ -63,8 +63,8 @@ def _layer(hidden, res, w, caches, meta):
     qkv = pk.fp8_matmul(xq, xs, *w["qkv"], fast_accum=True)
     q, k, v = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
     q, k, v = q.view(t, 32, 128), k.view(t, 8, 128), v.view(t, 8, 128)
-    pk.rotary_embedding(positions, q, k, w["inv_freq"])
-    pk.reshape_and_cache(k, v, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    pk.rotary_embedding_and_cache(positions, q, k, v, w["inv_freq"], k_cache, v_cache, slots,
+                                  k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     attn = pk.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens,
                                      max_seq_len=2048, k_scale=k_scale, v_scale=v_scale,
                                      num_splits=4)  # fmt: skip

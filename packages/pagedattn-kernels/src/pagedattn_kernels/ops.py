@@ -7,7 +7,8 @@ checks (``checks.py``), the torch path (``torch_impl.py``), the Triton launchers
 
 - ``attention/``: paged attention over mixed prefill/decode batches, paged decode attention;
 - ``cache/``: writing K/V into their slots, copying blocks (copy-on-write), swapping blocks;
-- ``fused/``: RMSNorm (with the residual add), SiLU-and-multiply, rotary embedding;
+- ``fused/``: RMSNorm (with the residual add), SiLU-and-multiply, rotary embedding (alone or
+  with the cache write);
 - ``quant/``: per-token fp8 quantization of activations (the dynamic side of an fp8 matmul)
   and the fp8 matmul that takes them.
 
@@ -35,6 +36,7 @@ from pagedattn_kernels.fused.ops import (
     rms_norm,
     rms_norm_fp8,
     rotary_embedding,
+    rotary_embedding_and_cache,
     silu_and_mul,
     silu_and_mul_fp8,
 )
@@ -56,6 +58,7 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "rms_norm",
     "rms_norm_fp8",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
     "silu_and_mul_fp8",
     # quant/

@@ -64,6 +64,7 @@ def _sync(device: Any) -> None:
 #: Kernel families of a decode step, by a substring of the kernel's name (first match wins).
 KERNEL_FAMILIES = (
     ("attention", ("paged", "attention", "attn", "flash")),
+    ("rotary and cache write", ("rotary_and_cache",)),
     ("cache write", ("reshape_and_cache", "cache")),
     ("rms norm", ("rms",)),
     ("rotary", ("rotary", "rope")),

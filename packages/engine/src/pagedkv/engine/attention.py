@@ -1,8 +1,10 @@
 """Paged attention as a model layer: the only place where model code touches the KV cache.
 
-Every model calls :class:`Attention` with this step's queries, keys and values. The layer first
-writes the new keys and values into the layer's paged caches (``reshape_and_cache``), then attends
-through the block tables. Because the write happens before the read inside the same layer, a
+Every model calls :class:`Attention` with this step's queries, keys and values (and, for a
+model with rotary positions, the step's angles: the layer rotates the queries and keys itself,
+so that on a GPU the rotation and the cache write are one kernel). The layer first writes the
+new keys and values into the layer's paged caches (``reshape_and_cache``), then attends through
+the block tables. Because the write happens before the read inside the same layer, a
 prefill chunk sees its own tokens and a decode token sees itself, with no special cases.
 
 The runner builds one :class:`AttentionMetadata` per step and every layer shares it.
@@ -19,11 +21,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 import pagedattn_kernels
+
+if TYPE_CHECKING:
+    from pagedkv.engine.models.layers import RotaryAngles
 
 #: Set while `worker.piecewise_graphs` captures a forward pass piece by piece: every
 #: `Attention` call goes to it instead (see `graph_breaks`).
@@ -108,15 +114,20 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,
+        rope: RotaryAngles | None = None,
     ) -> torch.Tensor:
-        """`out`: a `[T, num_heads * head_dim]` (or 3-d) buffer to write into."""
-        if _graph_break is not None:
-            return _graph_break(self, query, key, value, kv_cache)
+        """`out`: a `[T, num_heads * head_dim]` (or 3-d) buffer to write into. `rope`: this
+        step's rotary angles, applied to `query` and `key` before anything else (in the
+        kernel that writes the cache, with the fused kernels)."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if _graph_break is not None:
+            if rope is not None:  # inside the graph piece before the break, as its own kernel
+                query, key = rope.apply(query, key)
+            return _graph_break(self, query, key, value, kv_cache)
         if out is not None:
             out = out.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         scales = {}
@@ -125,9 +136,13 @@ class Attention(nn.Module):
         # The prefill kernel reads each chunk's own keys from these rows rather than gathering
         # them back from the cache (the same values, unless the cache rounds them to fp8).
         own = not scales
-        pagedattn_kernels.reshape_and_cache(
-            key, value, key_cache, value_cache, meta.slot_mapping, **scales
-        )
+        if rope is not None:
+            query, key = rope.apply_and_cache(query, key, value, kv_cache, meta.slot_mapping,
+                                              **scales)  # fmt: skip
+        else:
+            pagedattn_kernels.reshape_and_cache(
+                key, value, key_cache, value_cache, meta.slot_mapping, **scales
+            )
         if meta.decode_only:
             out = pagedattn_kernels.paged_decode_attention(
                 query,

@@ -25,8 +25,8 @@ def check_reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    op: str = "reshape_and_cache",
 ) -> None:
-    op = "reshape_and_cache"
     nb, bs, hkv, d = check_caches(op, key_cache, value_cache)
     check_float(op, "key", key, 3)
     check_float(op, "value", value, 3)

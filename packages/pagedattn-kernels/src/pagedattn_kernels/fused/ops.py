@@ -1,6 +1,8 @@
 """Fused elementwise ops of a decoder layer: RMSNorm (alone, or with the residual add fused in),
-SiLU-and-multiply, rotary embedding; and the norms and SiLU-and-multiply with their output
-quantized per token to fp8 in the same kernel (``*_fp8``: the inputs of fp8 linear layers).
+SiLU-and-multiply, rotary embedding (alone, or with the cache write that follows it in an
+attention layer: ``rotary_embedding_and_cache``); and the norms and SiLU-and-multiply with
+their output quantized per token to fp8 in the same kernel (``*_fp8``: the inputs of fp8
+linear layers).
 
 Unfused, each is a chain of small torch kernels that every one reads and writes the whole
 activation (RMSNorm alone is eight: add, cast, square, mean, add, rsqrt, multiply, cast,
@@ -27,7 +29,15 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import FP8_DTYPE, check_fp8_triton, fail, resolve_backend
+from pagedattn_kernels.cache.checks import check_reshape_and_cache
+from pagedattn_kernels.common import (
+    FP8_DTYPE,
+    check_fp8_triton,
+    check_kv_scales,
+    check_unit_stride,
+    fail,
+    resolve_backend,
+)
 from pagedattn_kernels.fused import torch_impl, triton_launch
 from pagedattn_kernels.fused.checks import (
     check_norm,
@@ -47,6 +57,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_fp8",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
     "silu_and_mul_fp8",
 ]
@@ -271,3 +282,51 @@ def rotary_embedding(
         return
     check_triton_rotary(op, query, key)
     triton_launch.rotary_embedding(positions.contiguous(), query, key, inv_freq.contiguous())
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    inv_freq: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """:func:`rotary_embedding` of ``query`` and ``key`` (in place), then
+    ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)`` of the rotated keys:
+    what an attention layer does to its new tokens before it attends.
+
+    The Triton path is one kernel: the rotated keys go from registers to their cache slots,
+    instead of being written back, launched again, read again. At decode batch sizes these are
+    tiny, latency-bound kernels, so the launch saved is most of the cost. The results are those
+    of the two ops in sequence on the same backend, bit for bit (the same roundings in the
+    same order); ``k_scale``/``v_scale`` and slot -1 mean what they mean for
+    ``reshape_and_cache``. Everything is checked before anything is written.
+    """
+    op = "rotary_embedding_and_cache"
+    if key is None:
+        raise fail(op, "key must be a tensor: its rotated rows are what the cache stores")
+    check_rotary(op, positions, query, key, inv_freq)
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, op)
+    check_kv_scales(op, key_cache, k_scale, v_scale)
+    if same_memory(value, key) or same_memory(value, query):
+        raise fail(op, "value must not share memory with query or key (they are rotated in place)")
+    if resolve_backend(query.device, backend) == "torch":
+        torch_impl.rotary_embedding_and_cache(positions, query, key, value, inv_freq, key_cache,
+                                              value_cache, slot_mapping, k_scale, v_scale)  # fmt: skip
+        return
+    check_triton_rotary(op, query, key)
+    check_unit_stride(op, key_cache=key_cache, value_cache=value_cache)
+    if key_cache.dtype == FP8_DTYPE:
+        check_fp8_triton(op, key_cache.device)
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    triton_launch.rotary_embedding_and_cache(
+        positions.contiguous(), query, key, value, inv_freq.contiguous(), key_cache, value_cache,
+        slot_mapping, k_scale, v_scale,
+    )  # fmt: skip

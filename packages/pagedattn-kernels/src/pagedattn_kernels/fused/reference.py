@@ -12,6 +12,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_fp8",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
     "silu_and_mul_fp8",
 ]
@@ -82,3 +83,28 @@ def rotary_embedding(
     half = x.shape[-1] // 2
     x1, x2 = x64[..., :half], x64[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    inv_freq: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(query, key)`` rotated in float64 (:func:`rotary_embedding`), returned; the caches
+    get what ``reshape_and_cache``'s reference stores for the rotated keys rounded once to the
+    key's dtype (the op stores keys of that dtype) and for the values."""
+    from pagedattn_kernels.cache.reference import reshape_and_cache
+
+    q64 = rotary_embedding(positions, query, inv_freq)
+    k64 = rotary_embedding(positions, key, inv_freq)
+    reshape_and_cache(k64.to(key.dtype), value, key_cache, value_cache, slot_mapping,
+                      k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    return q64, k64

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedattn_kernels.cache import torch_impl as cache
 from pagedattn_kernels.common import FP8_DTYPE
 from pagedattn_kernels.quant import torch_impl as quant
 
@@ -106,3 +107,20 @@ def rotary_embedding(
     for x in (query, key):
         if x is not None:
             x.copy_(x * cos + _rotate_half(x) * sin)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    inv_freq: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    # The two ops one after the other: what the Triton kernel does in one pass.
+    rotary_embedding(positions, query, key, inv_freq)
+    cache.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)

@@ -1,6 +1,7 @@
 """Triton kernels for a decoder layer's elementwise work (device code only; the launchers are
 in ``triton_launch``, the public ops in ``ops``): RMSNorm with the residual add fused in,
-SiLU-and-multiply, rotary embedding; the first two can also quantize their output per token to
+SiLU-and-multiply, rotary embedding (alone, or with the new keys and values written into the
+paged KV cache in the same pass); the first two can also quantize their output per token to
 fp8 (``QUANT``), the input of the fp8 linear layer that follows.
 
 Each kernel reproduces the rounding sequence of the unfused torch composition it replaces
@@ -237,6 +238,25 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
+def _angles(positions_ptr, inv_freq_ptr, t64, tok_ok, d, d_ok, like_ptr, ROUND: tl.constexpr,
+            LIBDEVICE: tl.constexpr):  # fmt: skip
+    """cos and sin ``[ROWS, HALF_PAD]`` of each token's angles, computed once per token and
+    shared by all its heads, exactly as ``RotaryEmbedding.cos_sin`` does:
+    ``fl32(float(position) * inv_freq)``, then ``cosf``/``sinf`` rounded to the dtype. No
+    table: any position works."""
+    pos = tl.load(positions_ptr + t64, mask=tok_ok, other=0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
+    angle = pos[:, None] * inv_freq[None, :]
+    if LIBDEVICE:
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    return _round(cos, like_ptr, ROUND), _round(sin, like_ptr, ROUND)
+
+
+@triton.jit
 def _rotate_heads(
     ptr,
     t64,
@@ -254,7 +274,8 @@ def _rotate_heads(
 ):
     """Rotate every head of ROWS tokens in place: ``[x1, x2] -> [x1 c - x2 s, x2 c + x1 s]``
     with each product and the sum rounded to the dtype, as ``x * cos + rotate_half(x) * sin``
-    rounds them (``rotate_half`` negates exactly, so ``+ (-x2) s`` is ``- x2 s``)."""
+    rounds them (``rotate_half`` negates exactly, so ``+ (-x2) s`` is ``- x2 s``). Returns the
+    two rotated halves ``[ROWS, BLOCK_HEADS, HALF_PAD]`` in the dtype, as stored."""
     h = tl.arange(0, BLOCK_HEADS)
     mask = tok_ok[:, None, None] & (h < NUM_HEADS)[None, :, None] & d_ok[None, None, :]
     lo = ptr + t64[:, None, None] * stride_t + h[None, :, None] * stride_h + d[None, None, :]
@@ -264,8 +285,11 @@ def _rotate_heads(
     s = sin[:, None, :]
     out1 = _round(_round(x1 * c, ptr, ROUND) - _round(x2 * s, ptr, ROUND), ptr, ROUND)
     out2 = _round(_round(x2 * c, ptr, ROUND) + _round(x1 * s, ptr, ROUND), ptr, ROUND)
-    tl.store(lo, out1.to(ptr.dtype.element_ty), mask=mask)
-    tl.store(lo + HALF, out2.to(ptr.dtype.element_ty), mask=mask)
+    out1 = out1.to(ptr.dtype.element_ty)
+    out2 = out2.to(ptr.dtype.element_ty)
+    tl.store(lo, out1, mask=mask)
+    tl.store(lo + HALF, out2, mask=mask)
+    return out1, out2
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -291,12 +315,8 @@ def rotary_kernel(
     LIBDEVICE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """NeoX ("rotate half") RoPE in place on every query and key head of ROWS tokens.
-
-    The angles are computed once per token and shared by all its heads, exactly as
-    ``RotaryEmbedding.cos_sin`` does: ``fl32(float(position) * inv_freq)``, then
-    ``cosf``/``sinf`` rounded to the dtype. No table: any position works.
-    """
+    """NeoX ("rotate half") RoPE in place on every query and key head of ROWS tokens (the
+    angles: ``_angles``)."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -305,19 +325,100 @@ def rotary_kernel(
     t64 = toks.to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     d_ok = d < HALF
-    pos = tl.load(positions_ptr + t64, mask=tok_ok, other=0).to(tl.float32)
-    inv_freq = tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
-    angle = pos[:, None] * inv_freq[None, :]
-    if LIBDEVICE:
-        cos = libdevice.cos(angle)
-        sin = libdevice.sin(angle)
-    else:
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-    cos = _round(cos, q_ptr, ROUND)
-    sin = _round(sin, q_ptr, ROUND)
+    cos, sin = _angles(positions_ptr, inv_freq_ptr, t64, tok_ok, d, d_ok, q_ptr, ROUND, LIBDEVICE)
     _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
                   NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
     if HAS_KEY:
         _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
                       NUM_K_HEADS, BLOCK_KH, HALF, ROUND)  # fmt: skip
+
+
+@triton.jit
+def _store_to_cache(ptr, x, mask, scale_ptr, KV_FP8: tl.constexpr, E4M3: tl.constexpr):
+    """Store ``x`` (model dtype) as the cache holds it: itself, or (KV_FP8) e4m3 of
+    ``clamp(x / scale, -448, 448)``, as ``reshape_and_cache_kernel`` writes it."""
+    if KV_FP8:
+        scale = tl.load(scale_ptr)
+        y = _quotient(x.to(tl.float32), scale, tl.math.div_rn(1.0, scale))
+        tl.store(ptr, _e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0), E4M3), mask=mask)
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "k_scale_ptr", "v_scale_ptr"])
+def rotary_and_cache_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    inv_freq_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    num_tokens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_tok,
+    stride_vc_head,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    E4M3: tl.constexpr,
+    ROUND: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """``rotary_kernel`` and ``reshape_and_cache_kernel`` in one pass over ROWS tokens: rotate
+    the query and key heads in place, then write the rotated keys (still in registers) and
+    the values into each token's cache slot (slot < 0: no write), quantized on the way for an
+    fp8 cache. The same values, in the same roundings, as the two kernels one after the other;
+    one launch and one read of the keys fewer."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
+    toks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tok_ok = toks < num_tokens
+    t64 = toks.to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    cos, sin = _angles(positions_ptr, inv_freq_ptr, t64, tok_ok, d, d_ok, q_ptr, ROUND, LIBDEVICE)
+    _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
+                  NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
+    k1, k2 = _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
+                           NUM_KV_HEADS, BLOCK_KH, HALF, ROUND)  # fmt: skip
+
+    slot = tl.load(slot_ptr + t64, mask=tok_ok, other=-1).to(tl.int64)
+    write = tok_ok & (slot >= 0)
+    slot = tl.where(write, slot, 0)
+    h = tl.arange(0, BLOCK_KH)
+    mask = write[:, None, None] & (h < NUM_KV_HEADS)[None, :, None] & d_ok[None, None, :]
+    block = (slot // BLOCK_SIZE)[:, None, None]
+    offset = (slot % BLOCK_SIZE)[:, None, None]
+    hd = h[None, :, None]
+    kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok + hd * stride_kc_head
+    kc += d[None, None, :]
+    _store_to_cache(kc, k1, mask, k_scale_ptr, KV_FP8, E4M3)
+    _store_to_cache(kc + HALF, k2, mask, k_scale_ptr, KV_FP8, E4M3)
+    v = v_ptr + t64[:, None, None] * stride_vt + hd * stride_vh + d[None, None, :]
+    vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok + hd * stride_vc_head
+    vc += d[None, None, :]
+    v1 = tl.load(v, mask=mask)
+    v2 = tl.load(v + HALF, mask=mask)
+    _store_to_cache(vc, v1, mask, v_scale_ptr, KV_FP8, E4M3)
+    _store_to_cache(vc + HALF, v2, mask, v_scale_ptr, KV_FP8, E4M3)

@@ -15,10 +15,12 @@ import functools
 import torch
 
 from pagedattn_kernels.common import (
+    FP8_DTYPE,
     e4m3_encoder,
     is_interpreted,
     kernels_for,
     next_power_of_2,
+    scale_or_unit,
     use_pdl,
 )
 from pagedattn_kernels.quant import triton_launch as quant_launch
@@ -187,6 +189,16 @@ def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torc
     quant_launch.quantize_fp8_from_maxima(y, partial, q, scale, block)
 
 
+def _rotary_tiles(kernel: object, num_tokens: int, block_qh: int, block_kh: int,
+                  half_pad: int) -> tuple[int, int]:  # fmt: skip
+    """(tokens per program, warps) of the rotary kernels: one token per program when compiled,
+    as many as fill the interpreter's tile when interpreted."""
+    if is_interpreted(kernel):
+        fill = max(1, _INTERPRETER_TILE // (block_qh * half_pad))
+        return min(next_power_of_2(num_tokens), fill), 4
+    return 1, 4 if (block_qh + block_kh) * half_pad <= 4096 else 8
+
+
 def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, inv_freq: torch.Tensor
 ) -> None:
@@ -202,18 +214,53 @@ def rotary_embedding(
     block_kh = next_power_of_2(k.shape[1]) if has_key else 1
     kernel = kernels_for(query.device, KERNELS).rotary_kernel
     interpreted = is_interpreted(kernel)
-    if interpreted:
-        rows = min(next_power_of_2(num_tokens), max(1, _INTERPRETER_TILE // (block_qh * half_pad)))
-        num_warps = 4
-    else:
-        rows = 1
-        num_warps = 4 if (block_qh + block_kh) * half_pad <= 4096 else 8
+    rows, num_warps = _rotary_tiles(kernel, num_tokens, block_qh, block_kh, half_pad)
     pdl = use_pdl(query.device)
     kernel[(-(-num_tokens // rows),)](
         query, k, positions, inv_freq, num_tokens,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1),
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], BLOCK_QH=block_qh, BLOCK_KH=block_kh,
         HALF=half, HALF_PAD=half_pad, ROWS=rows, HAS_KEY=has_key,
+        ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
+        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    inv_freq: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """``rotary_and_cache_kernel``: rotates ``query`` and ``key`` in place and writes the
+    rotated keys and the values into their cache slots."""
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = key.shape[1]
+    half = head_dim // 2
+    half_pad = next_power_of_2(half)
+    block_qh, block_kh = next_power_of_2(num_heads), next_power_of_2(num_kv_heads)
+    kernel = kernels_for(query.device, KERNELS).rotary_and_cache_kernel
+    interpreted = is_interpreted(kernel)
+    rows, num_warps = _rotary_tiles(kernel, num_tokens, block_qh, block_kh, half_pad)
+    pdl = use_pdl(query.device)
+    kernel[(-(-num_tokens // rows),)](
+        query, key, value, positions, inv_freq, key_cache, value_cache, slot_mapping,
+        scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache), num_tokens,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
+        HALF=half, HALF_PAD=half_pad, ROWS=rows, BLOCK_SIZE=key_cache.shape[1],
+        KV_FP8=key_cache.dtype == FP8_DTYPE, E4M3=e4m3_encoder(kernel, query.device),
         ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
         PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip

@@ -24,6 +24,10 @@ import pagedattn_kernels
 from pagedattn_kernels.ops import MAX_HIDDEN
 from pagedkv.engine.models.quantization import Fp8Rows
 
+# The rotary kernel and the cache write as one kernel (``RotaryAngles.apply_and_cache``); 0
+# keeps them apart, the baseline a benchmark compares against.
+_FUSE_ROPE_AND_CACHE = os.environ.get("PAGEDKV_FUSED_ROPE_CACHE", "1") != "0"
+
 
 def fused_kernels_enabled(device: torch.device) -> bool:
     """Whether the fused Triton kernels replace the torch code for tensors on ``device``.
@@ -249,6 +253,30 @@ class RotaryAngles:
             pagedattn_kernels.rotary_embedding(self.positions, q, k, self.inv_freq)
             return q, k
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+    def apply_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        **scales: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`apply`, then the rotated keys and the values written into their cache slots
+        (``reshape_and_cache``): what attention does to a step's new tokens. With the fused
+        kernels both happen in one kernel (``rotary_embedding_and_cache``): the same values,
+        one launch fewer per layer (``PAGEDKV_FUSED_ROPE_CACHE=0``: two kernels, as before)."""
+        key_cache, value_cache = kv_cache
+        if self.cos is None and _FUSE_ROPE_AND_CACHE:
+            pagedattn_kernels.rotary_embedding_and_cache(
+                self.positions, q, k, v, self.inv_freq, key_cache, value_cache, slot_mapping,
+                **scales,
+            )  # fmt: skip
+            return q, k
+        q, k = self.apply(q, k)
+        pagedattn_kernels.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, **scales)
+        return q, k
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -87,12 +87,8 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = q.shape[0]  # x may be fp8 rows (Fp8Rows), not a tensor
-        q, k = rope.apply(
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-        )
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        # the attention layer rotates q and k (on a GPU, in the kernel that writes the cache)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, rope=rope))
 
 
 class LlamaMLP(nn.Module):
