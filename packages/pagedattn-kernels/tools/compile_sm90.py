@@ -321,7 +321,10 @@ def _report() -> None:
         or (r[2].get("stack", 0) and not (r[0].startswith("rotary") and r[2]["stack"] <= 32))
     ]  # fmt: skip
     if bad:
-        print(f"{len(bad)} variants spill to local memory", file=sys.stderr)
+        print(f"{len(bad)} variants spill to local memory:", file=sys.stderr)
+        for name, consts, info in bad:
+            print(f"  {name} local={info.get('local', 0)} stack={info.get('stack', 0)} {consts}",
+                  file=sys.stderr)  # fmt: skip
     approx = [r for r in RESULTS if r[0] in FUSED_KERNELS and r[2].get("div_full")]
     if approx:
         print(f"{len(approx)} fused-op variants use approximate division", file=sys.stderr)
