@@ -171,12 +171,13 @@ for part in "${parts[@]}"; do
       ;;
     profile)
       # A decode step by kernel family at small and mid batches, bf16 then fp8 weights and
-      # cache (the attention's share before and after the per-sequence flash-decoding split)
+      # cache (the attention's share before and after the per-sequence flash-decoding split);
+      # without PDL, under which a kernel's time includes its wait for the one before
       if [[ "$SMOKE" == 1 ]]; then echo "=== profile: needs a GPU (skipped in a smoke run)"; continue; fi
       for kind in bf16 fp8; do
         extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
         echo "=== decode step profile ($kind)"
-        timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes "${PROFILE_BATCHES:-16,48}" --context 900 \
+        PAGEDATTN_PDL=0 timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes "${PROFILE_BATCHES:-16,48}" --context 900 \
           --steps 16 --warmup-steps 4 --profile-steps 4 "${model[@]}" "${extra[@]}" \
           --output-json "$OUT/decode_profile_${kind}.json" > "$OUT/decode_profile_${kind}.log" 2>&1
         echo "    exit $?"
@@ -205,7 +206,8 @@ for part in "${parts[@]}"; do
       # The rotary embedding fused into the cache write (PAGEDKV_FUSED_ROPE_CACHE=1, the
       # default) against the two kernels (=0): a decode step of the fp8 model interleaved twice,
       # bf16 once, logs in /tmp and the figures printed (a call returns 8 files); then the fp8
-      # step at 16 sequences by kernel with the fused kernel
+      # step at 16 sequences by kernel with the fused kernel (without PDL, whose overlapping
+      # kernels would blur the times)
       if [[ "$SMOKE" == 1 ]]; then echo "=== ropecache: needs a GPU (skipped in a smoke run)"; continue; fi
       for kind in fp8 fp8 bf16; do
         extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
@@ -217,7 +219,7 @@ for part in "${parts[@]}"; do
           echo "$kind PAGEDKV_FUSED_ROPE_CACHE=$fuse (exit $?): $(tail -1 "/tmp/$tag.log")"
         done
       done
-      timeout 200 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes 16 --context 900 \
+      PAGEDATTN_PDL=0 timeout 200 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes 16 --context 900 \
         --steps 16 --warmup-steps 4 --profile-steps 4 "${model[@]}" --kv-cache-dtype fp8 \
         --quantization fp8 > "$OUT/decode_profile_fp8_ropecache.log" 2>&1
       grep -E "GPU time|^    [a-z]|_kernel" "$OUT/decode_profile_fp8_ropecache.log" | head -24

@@ -83,6 +83,17 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
+def _pdl_on(device: Any) -> bool:
+    """Whether the kernels launch with programmatic dependent launch (Hopper and later)."""
+    if not str(device).startswith("cuda"):
+        return False
+    import torch
+
+    from pagedattn_kernels.common import use_pdl
+
+    return use_pdl(torch.device(device))
+
+
 def kernel_table(prof: Any, steps: int, top: int = 20) -> dict[str, Any]:
     """GPU time per step of a torch.profiler run over `steps` decode steps: by kernel family
     and the `top` kernels by name (kernels inside CUDA graph replays are traced one by one)."""
@@ -181,6 +192,10 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
                     engine.step()
                 _sync(engine.device)
             kernels = kernel_table(prof, profile_steps)
+            if _pdl_on(engine.device):
+                logger.warning("programmatic dependent launch is on: a kernel's time includes "
+                               "its wait for the kernel before it, so the times overlap; run "
+                               "with PAGEDATTN_PDL=0 for a per-kernel breakdown")  # fmt: skip
     finally:
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
