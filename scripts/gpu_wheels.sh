@@ -5,7 +5,8 @@
 #   bash scripts/gpu_wheels.sh          # then carry .whl (and .gpu_commit) in the device call
 # Versions: the pins of requirements/test.txt and what they pull in; httptools is uvicorn's
 # faster HTTP parser (optional: uvicorn falls back to h11 without it); gguf reads the embedded
-# model (scripts/gpu_fp8.sh accuracy, the embedded-model GPU tests).
+# model (scripts/gpu_fp8.sh accuracy, the embedded-model GPU tests); jsonschema (and what it
+# pulls in) is what tests/engine/test_structured_output.py checks its JSON against.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -17,6 +18,8 @@ pkgs=(
   pyzmq==27.3.0 msgspec==0.22.0
   llguidance==1.9.1
   gguf==0.19.0
+  jsonschema==4.26.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
+  rpds-py==2026.9.1
 )
 plats=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
