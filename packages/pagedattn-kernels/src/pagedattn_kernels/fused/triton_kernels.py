@@ -238,12 +238,18 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
-def _angles(positions_ptr, inv_freq_ptr, t64, tok_ok, d, d_ok, like_ptr, ROUND: tl.constexpr,
-            LIBDEVICE: tl.constexpr):  # fmt: skip
-    """cos and sin ``[ROWS, HALF_PAD]`` of each token's angles, computed once per token and
-    shared by all its heads, exactly as ``RotaryEmbedding.cos_sin`` does:
-    ``fl32(float(position) * inv_freq)``, then ``cosf``/``sinf`` rounded to the dtype. No
-    table: any position works."""
+def _token_angles(positions_ptr, inv_freq_ptr, num_tokens, like_ptr, ROWS: tl.constexpr,
+                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, ROUND: tl.constexpr,
+                  LIBDEVICE: tl.constexpr):  # fmt: skip
+    """This program's ROWS tokens (int64 indices, in-range mask), the rotary dims (index, mask)
+    and each token's cos and sin ``[ROWS, HALF_PAD]``, computed once per token and shared by
+    all its heads exactly as ``RotaryEmbedding.cos_sin`` does: ``fl32(float(position) *
+    inv_freq)``, then ``cosf``/``sinf`` rounded to the dtype. No table: any position works."""
+    toks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tok_ok = toks < num_tokens
+    t64 = toks.to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
     pos = tl.load(positions_ptr + t64, mask=tok_ok, other=0).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
     angle = pos[:, None] * inv_freq[None, :]
@@ -253,7 +259,7 @@ def _angles(positions_ptr, inv_freq_ptr, t64, tok_ok, d, d_ok, like_ptr, ROUND: 
     else:
         cos = tl.cos(angle)
         sin = tl.sin(angle)
-    return _round(cos, like_ptr, ROUND), _round(sin, like_ptr, ROUND)
+    return t64, tok_ok, d, d_ok, _round(cos, like_ptr, ROUND), _round(sin, like_ptr, ROUND)
 
 
 @triton.jit
@@ -316,16 +322,12 @@ def rotary_kernel(
     PDL: tl.constexpr = False,
 ):
     """NeoX ("rotate half") RoPE in place on every query and key head of ROWS tokens (the
-    angles: ``_angles``)."""
+    angles: ``_token_angles``)."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
-    toks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tok_ok = toks < num_tokens
-    t64 = toks.to(tl.int64)
-    d = tl.arange(0, HALF_PAD)
-    d_ok = d < HALF
-    cos, sin = _angles(positions_ptr, inv_freq_ptr, t64, tok_ok, d, d_ok, q_ptr, ROUND, LIBDEVICE)
+    t64, tok_ok, d, d_ok, cos, sin = _token_angles(positions_ptr, inv_freq_ptr, num_tokens, q_ptr,
+                                                   ROWS, HALF, HALF_PAD, ROUND, LIBDEVICE)  # fmt: skip
     _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
                   NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
     if HAS_KEY:
@@ -392,12 +394,8 @@ def rotary_and_cache_kernel(
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
-    toks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tok_ok = toks < num_tokens
-    t64 = toks.to(tl.int64)
-    d = tl.arange(0, HALF_PAD)
-    d_ok = d < HALF
-    cos, sin = _angles(positions_ptr, inv_freq_ptr, t64, tok_ok, d, d_ok, q_ptr, ROUND, LIBDEVICE)
+    t64, tok_ok, d, d_ok, cos, sin = _token_angles(positions_ptr, inv_freq_ptr, num_tokens, q_ptr,
+                                                   ROWS, HALF, HALF_PAD, ROUND, LIBDEVICE)  # fmt: skip
     _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
                   NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
     k1, k2 = _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
