@@ -26,6 +26,10 @@
 #     --kv-cache-dtype fp8 --quantization fp8 on the same requests (BASELINES_FP8=1: with the
 #     baselines too)      -> throughput_llama3_8b_sharegpt_real.json, ..._real_fp8.json
 #     (`..._sharegpt_like*.json` without the file)
+#   bash scripts/gpu_fp8.sh ratio              # ~4 min, carrying .gpu_data
+#     fp8 weights + fp8 KV then bf16 (no transformers runs), RATIO_ROUNDS (2) times
+#     interleaved: each round's fp8/bf16 ratio, their median and spread
+#                                                  -> ..._{fp8,bf16}_r{1,2}.json
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
@@ -73,7 +77,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: PROFILE_BATCHES (16,48), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: PROFILE_BATCHES (16,48), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), RATIO_ROUNDS (2), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -168,6 +172,35 @@ for part in "${parts[@]}"; do
       fp8_baselines=()
       [[ "${BASELINES_FP8:-0}" == 1 ]] && fp8_baselines=("${baselines[@]}")
       throughput _fp8 --kv-cache-dtype fp8 --quantization fp8 "${fp8_baselines[@]}"
+      ;;
+    ratio)
+      # Issue 20's fp8 goal as a same-call comparison: fp8 weights + fp8 KV, then bf16, no
+      # transformers runs, RATIO_ROUNDS (2) times interleaved; each round's ratio, then their
+      # median and spread. The logs stay in /tmp (a call returns 8 files), the JSONs come back.
+      keep_out=$OUT; OUT=/tmp/pagedkv-ratio; mkdir -p "$OUT"
+      for ((round = 1; round <= ${RATIO_ROUNDS:-2}; round++)); do
+        throughput "_fp8_r$round" --kv-cache-dtype fp8 --quantization fp8 | grep -E "^\{'output"
+        throughput "_bf16_r$round" | grep -E "^\{'output"
+        cp "$OUT"/throughput_"${name}"_{fp8,bf16}_r"$round".json "$keep_out"/ 2>/dev/null
+      done
+      OUT=$keep_out
+      "$PYTHON" - "$OUT" "$name" "${RATIO_ROUNDS:-2}" <<'PY'
+import json, statistics, sys
+out, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ratios = []
+for r in range(1, rounds + 1):
+    try:
+        fp8, bf16 = (json.load(open(f"{out}/throughput_{name}_{k}_r{r}.json"))["output_tok_s"]
+                     for k in ("fp8", "bf16"))
+    except (OSError, KeyError) as exc:
+        print(f"round {r}: no figures ({exc})")
+        continue
+    ratios.append(fp8 / bf16)
+    print(f"round {r}: fp8 {fp8:,.0f} / bf16 {bf16:,.0f} output tok/s = {fp8 / bf16:.3f}x")
+if ratios:
+    print(f"fp8 / bf16: median {statistics.median(ratios):.3f}x, "
+          f"spread {min(ratios):.3f}-{max(ratios):.3f}x over {len(ratios)} rounds (goal 1.5x)")
+PY
       ;;
     profile)
       # A decode step by kernel family at small and mid batches, bf16 then fp8 weights and
