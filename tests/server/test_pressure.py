@@ -120,10 +120,14 @@ def test_health_stays_fast_while_a_4mb_prompt_is_refused_or_processed(
     small_kv: RunningServer,
 ) -> None:
     big = ("lorem ipsum dolor " * 250_000)[:4_000_000]
+    # Tokenizing this prompt takes about 3.7 s on one core: done on the event loop, it would
+    # hold /health that long. Unblocked, /health answers in 10-35 ms on an idle 2-core machine
+    # and once took 119 ms with the rest of the suite running beside it, hence the bound.
+    bound = 0.5
     p99, statuses = _health_p99_while(small_kv, {"prompt": big, "max_tokens": 1}, repeats=5)
     assert statuses == [400] * 5  # longer than the context: refused before tokenizing
-    assert p99 <= 0.1, f"/health p99 {p99 * 1000:.0f} ms while 4 MB prompts were refused"
+    assert p99 <= bound, f"/health p99 {p99 * 1000:.0f} ms while 4 MB prompts were refused"
     body = {"prompt": big, "max_tokens": 1, "truncate_prompt_tokens": 8}
     p99, statuses = _health_p99_while(small_kv, body, repeats=1)
     assert statuses == [200]  # tokenized whole on the tokenizer thread, then truncated
-    assert p99 <= 0.1, f"/health p99 {p99 * 1000:.0f} ms while a 4 MB prompt was processed"
+    assert p99 <= bound, f"/health p99 {p99 * 1000:.0f} ms while a 4 MB prompt was processed"
