@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedattn_kernels.cache import reference as cache_reference
+
 __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_fp8",
@@ -101,10 +103,8 @@ def rotary_embedding_and_cache(
     """``(query, key)`` rotated in float64 (:func:`rotary_embedding`), returned; the caches
     get what ``reshape_and_cache``'s reference stores for the rotated keys rounded once to the
     key's dtype (the op stores keys of that dtype) and for the values."""
-    from pagedattn_kernels.cache.reference import reshape_and_cache
-
     q64 = rotary_embedding(positions, query, inv_freq)
     k64 = rotary_embedding(positions, key, inv_freq)
-    reshape_and_cache(k64.to(key.dtype), value, key_cache, value_cache, slot_mapping,
-                      k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    cache_reference.reshape_and_cache(k64.to(key.dtype), value, key_cache, value_cache,
+                                      slot_mapping, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     return q64, k64
