@@ -9,8 +9,9 @@ not show it: the engine decodes many short contexts, through CUDA graphs capture
 
 This script times ``paged_decode_attention`` as the engine calls it (``SHAPES``: batch x
 context from 16 x 900 to 512 x 500, and 64 x 4k, 16 x 8k; ``--shapes`` for others): the
-automatic configuration on the bfloat16 and the fp8 cache, bfloat16 with ``one_loop`` tiles,
-then fp8 with other tiles (``DecodeConfig``) and, for up to 48 sequences, forced split counts.
+automatic configuration on the bfloat16 and the fp8 cache, then other tiles (``DecodeConfig``:
+``BF16_CONFIGS``, ``CONFIGS``) and, for up to ``SPLIT_MAX_BATCH`` sequences, forced split counts
+(``--splits``; ``--automatic-configs``: the automatic tiles only, with the forced splits).
 Each is replayed from CUDA graphs over enough cache copies (> 256 MB) that the keys come from
 HBM, not from the 50 MB L2. Per row: ``us``, ``bw_frac`` (the cache bytes read against the
 copy bandwidth) and ``vs_bf16`` (the bfloat16 cache's time over this one: 2.0 would be the
@@ -51,7 +52,11 @@ CONFIGS = [D(128, 4, 3), D(64, 2, 3), D(64, 4, 3), D(128, 4, 2), D(64, 2, 3, per
            D(64, 2, 3, per_sm=4, one_loop=True)]  # fmt: skip
 # the bfloat16 cache: its default tiles with the ragged tile in the loop
 BF16_CONFIGS = [D(128, 4, 2, one_loop=True), D(64, 4, 2, one_loop=True)]
-SPLITS = [None, 1, 4]
+# forced split counts, tried up to SPLIT_MAX_BATCH sequences (more: the automatic count); the
+# bfloat16 cache gets the forced ones too: does a shorter chain of tiles per program pay at
+# small batches, where each program walks its partition tile after tile?
+SPLITS = [None, 1, 4, 8, 16]
+SPLIT_MAX_BATCH = 64
 ROTATE_BYTES = 256e6
 
 
@@ -118,6 +123,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="batch x context pairs to time instead of "
                     "SHAPES, e.g. 64x4096,16x8192")
     ap.add_argument("--bf16-only", action="store_true", help="the bfloat16 cache only")
+    ap.add_argument("--splits", default="", help="forced split counts to try instead of "
+                    "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences)")
+    ap.add_argument("--automatic-configs", action="store_true",
+                    help="only the automatic tiles (with the forced splits): no CONFIGS sweep")
     run = start(ap, check, budget_s=150.0)
     if isinstance(run, int):
         return run
@@ -132,12 +141,12 @@ def main() -> int:
         for dtype in (torch.bfloat16,) if args.bf16_only else (torch.bfloat16, FP8):
             nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
             kvs, tables = caches(batch, context, dtype, gen, max(1, int(-(-ROTATE_BYTES // nbytes))))
-            variants = [(None, None)]
-            if dtype == torch.bfloat16:
-                variants += [(c, None) for c in BF16_CONFIGS]
-            if dtype == FP8:
-                splits_tried = SPLITS if batch <= 48 else SPLITS[:1]  # many pairs: automatic
-                variants += [(c, s) for c in CONFIGS for s in splits_tried]
+            forced = [int(x) for x in args.splits.split(",") if x] or SPLITS[1:]
+            forced = forced if batch <= SPLIT_MAX_BATCH else []  # many pairs: automatic
+            variants = [(None, None)] + [(None, s) for s in forced]
+            if not args.automatic_configs:
+                configs = BF16_CONFIGS if dtype == torch.bfloat16 else CONFIGS
+                variants += [(c, s) for c in configs for s in [None, *forced]]
             for cfg, splits in variants:
                 if time.monotonic() > deadline:
                     break

@@ -30,6 +30,18 @@
 #     fp8 weights + fp8 KV then bf16 (no transformers runs), RATIO_ROUNDS (2) times
 #     interleaved: each round's fp8/bf16 ratio, their median and spread
 #                                                  -> ..._{fp8,bf16}_r{1,2}.json
+#   bash scripts/gpu_fp8.sh rows256            # ~1 min, carrying .gpu_data
+#     the fp8 run with PAGEDKV_FP8_MATMUL_MAX_ROWS=256: pagedattn_kernels.fp8_matmul for the
+#     decode matmuls of 129-256 rows too (torch._scaled_mm there by default)
+#                                                  -> ..._real_fp8_rows256.json
+#   bash scripts/gpu_fp8.sh splits             # ~4 min
+#     scripts/decode_fp8_engine_shapes.py --automatic-configs at small batches
+#     (SPLIT_SHAPES): decode attention on the bf16 and fp8 caches with the automatic split
+#     count and forced ones (SPLIT_SET, 2,4,8,16)  -> decode_splits.json
+#   bash scripts/gpu_fp8.sh shapeserr          # ~2 min
+#     the shapes at which decode_fp8_engine_shapes.py stopped on a CUDA error (128x900,
+#     512x500), with CUDA_LAUNCH_BLOCKING=1 so that the error names its kernel
+#                                                  -> decode_shapes_blocking.log
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
@@ -201,6 +213,27 @@ if ratios:
     print(f"fp8 / bf16: median {statistics.median(ratios):.3f}x, "
           f"spread {min(ratios):.3f}-{max(ratios):.3f}x over {len(ratios)} rounds (goal 1.5x)")
 PY
+      ;;
+    rows256)
+      PAGEDKV_FP8_MATMUL_MAX_ROWS=256 throughput _fp8_rows256 --kv-cache-dtype fp8 --quantization fp8
+      ;;
+    splits)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== splits: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== decode attention at small batches: automatic against forced split counts"
+      timeout 300 "$PYTHON" scripts/decode_fp8_engine_shapes.py --automatic-configs \
+        --splits "${SPLIT_SET:-2,4,8,16}" --shapes "${SPLIT_SHAPES:-16x900,32x900,48x900,64x700,128x500}" \
+        --budget-s 240 --commit "${PAGEDKV_COMMIT:-}" --output-json "$OUT/decode_splits.json" \
+        > "$OUT/decode_splits.log" 2>&1
+      echo "    exit $?"
+      grep -E "B=|best" "$OUT/decode_splits.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -60
+      ;;
+    shapeserr)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== shapeserr: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== decode_fp8_engine_shapes.py at the shapes of its CUDA errors, launches blocking"
+      CUDA_LAUNCH_BLOCKING=1 timeout 200 "$PYTHON" scripts/decode_fp8_engine_shapes.py \
+        --shapes 128x900,512x500 --budget-s 150 > "$OUT/decode_shapes_blocking.log" 2>&1
+      echo "    exit $?"
+      grep -E -i "error|B=|Traceback" "$OUT/decode_shapes_blocking.log" | tail -25
       ;;
     profile)
       # A decode step by kernel family at small and mid batches, bf16 then fp8 weights and
