@@ -38,6 +38,10 @@
 #     scripts/decode_fp8_engine_shapes.py --automatic-configs at small batches
 #     (SPLIT_SHAPES): decode attention on the bf16 and fp8 caches with the automatic split
 #     count and forced ones (SPLIT_SET, 2,4,8,16)  -> decode_splits.json
+#   bash scripts/gpu_fp8.sh bigshapes          # ~4 min
+#     scripts/decode_fp8_engine_shapes.py at the large batches of the run's decode bands
+#     (BIG_SHAPES, 192x700,384x600,768x450): every tile configuration on the fp8 cache
+#                                                  -> decode_bigshapes.json
 #   bash scripts/gpu_fp8.sh shapeserr          # ~2 min
 #     the shapes at which decode_fp8_engine_shapes.py stopped on a CUDA error (128x900,
 #     512x500), with CUDA_LAUNCH_BLOCKING=1 so that the error names its kernel
@@ -226,6 +230,15 @@ PY
         > "$OUT/decode_splits.log" 2>&1
       echo "    exit $?"
       grep -E "B=|best" "$OUT/decode_splits.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -60
+      ;;
+    bigshapes)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== bigshapes: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== decode attention at large batches: every tile configuration"
+      timeout 300 "$PYTHON" scripts/decode_fp8_engine_shapes.py --shapes "${BIG_SHAPES:-192x700,384x600,768x450}" \
+        --budget-s 240 --commit "${PAGEDKV_COMMIT:-}" --output-json "$OUT/decode_bigshapes.json" \
+        > "$OUT/decode_bigshapes.log" 2>&1
+      echo "    exit $?"
+      grep -E "B=|best|rror" "$OUT/decode_bigshapes.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -40
       ;;
     shapeserr)
       if [[ "$SMOKE" == 1 ]]; then echo "=== shapeserr: needs a GPU (skipped in a smoke run)"; continue; fi
