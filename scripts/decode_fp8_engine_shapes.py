@@ -15,11 +15,16 @@ automatic configuration on the bfloat16 and the fp8 cache, then other tiles (``D
 Each is replayed from CUDA graphs over enough cache copies (> 256 MB) that the keys come from
 HBM, not from the 50 MB L2. Per row: ``us``, ``bw_frac`` (the cache bytes read against the
 copy bandwidth) and ``vs_bf16`` (the bfloat16 cache's time over this one: 2.0 would be the
-bytes' ratio). On an H200 (bd0f549, 8c1dddc) a run stopped at a "CUDA error: operation not
-supported on global/shared address space" after some shapes, at the first allocation or graph
-of the next one; not yet explained (the engine decodes those shapes without it). Such an error
-is raised by an earlier kernel and reported at the next synchronisation: run the same shapes
-with ``CUDA_LAUNCH_BLOCKING=1`` (each variant is logged before it runs) to name the kernel.
+bytes' ratio).
+
+The CUDA errors of earlier runs ("operation not supported on global/shared address space",
+"an illegal memory access", 2b5b50b to 7107b3a, each at the first run of a new shape) were this
+script's own race, not a kernel's: ``triton.testing.do_bench_cudagraph`` runs ``fn`` on a
+stream of its own, which does not wait for the default stream, where the new shape's caches
+and block table were still being written. The decode kernel then read block ids from memory
+the previous shape had freed. Each shape ran alone, or with ``CUDA_LAUNCH_BLOCKING=1``, without
+error, and the error came also with ``PAGEDATTN_PDL=0`` (H200, 7107b3a). The inputs are now
+complete (``torch.cuda.synchronize``) before any timing.
 
     python scripts/decode_fp8_engine_shapes.py --output-json OUT.json       # on a GPU
     TRITON_INTERPRET=1 python scripts/decode_fp8_engine_shapes.py --check   # CPU: outputs only
@@ -165,6 +170,8 @@ def main() -> int:
                 log.info("run B=%d ctx=%d %s %s splits=%s", batch, context, row["kv"],
                          row["config"], splits)  # fmt: skip
                 try:
+                    # do_bench_cudagraph times on its own stream: the inputs must be written
+                    torch.cuda.synchronize()
                     us = triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3
                 except Exception as exc:  # a tile that does not compile or fit
                     rows.append({**row, "error": repr(exc)[:300]})

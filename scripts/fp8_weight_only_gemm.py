@@ -290,7 +290,9 @@ def check() -> int:
 
 
 def bench(fn) -> float:
-    """Median microseconds per call replayed from a CUDA graph."""
+    """Median microseconds per call replayed from a CUDA graph. (do_bench_cudagraph runs fn
+    on a stream of its own that does not wait for the default stream: inputs first.)"""
+    torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
 

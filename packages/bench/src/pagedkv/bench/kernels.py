@@ -134,6 +134,9 @@ def _time_graph(fn: Callable[[], object], device: torch.device) -> float | None:
     import triton.testing
 
     try:
+        # do_bench_cudagraph runs fn on a stream of its own, which does not wait for the
+        # default stream: the inputs written there must be complete first
+        torch.cuda.synchronize(device)
         return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / 1e3
     except Exception:  # e.g. a backend that cannot be captured
         torch.cuda.synchronize()
