@@ -80,6 +80,11 @@ def caches(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator, c
     return out, tables
 
 
+def parse_configs(text: str) -> list:
+    """``DecodeConfig``s from TILE_N/WARPS/STAGES[/PER_SM] items, comma-separated."""
+    return [D(*map(int, c.split("/"))) for c in text.split(",") if c]
+
+
 def bound(context: int) -> int:
     """The engine's graphs pass max_model_len as max_seq_len: 2,048, or the context if longer."""
     return max(MAX_MODEL_LEN, context)
@@ -132,6 +137,8 @@ def main() -> int:
                     "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences)")
     ap.add_argument("--configs", default="", help="fp8 tiles to try instead of CONFIGS: "
                     "TILE_N/WARPS/STAGES[/PER_SM] triples, comma-separated (e.g. 64/2/4,32/2/3)")
+    ap.add_argument("--bf16-configs", default="", help="bfloat16 tiles to try instead of "
+                    "BF16_CONFIGS, as --configs")
     ap.add_argument("--automatic-configs", action="store_true",
                     help="only the automatic tiles (with the forced splits): no CONFIGS sweep")
     run = start(ap, check, budget_s=150.0)
@@ -140,7 +147,8 @@ def main() -> int:
     args, deadline, copy_bw, gen = run.args, run.deadline, run.copy_bw, run.gen
     rows: list[dict] = []
     shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",") if x] or SHAPES
-    fp8_configs = [D(*map(int, c.split("/"))) for c in args.configs.split(",") if c] or CONFIGS
+    fp8_configs = parse_configs(args.configs) or CONFIGS
+    bf16_configs = parse_configs(args.bf16_configs) or BF16_CONFIGS
     for batch, context in shapes:
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
@@ -153,7 +161,7 @@ def main() -> int:
             forced = forced if batch <= SPLIT_MAX_BATCH else []  # many pairs: automatic
             variants = [(None, None)] + [(None, s) for s in forced]
             if not args.automatic_configs:
-                configs = BF16_CONFIGS if dtype == torch.bfloat16 else fp8_configs
+                configs = bf16_configs if dtype == torch.bfloat16 else fp8_configs
                 variants += [(c, s) for c in configs for s in [None, *forced]]
             for cfg, splits in variants:
                 if time.monotonic() > deadline:

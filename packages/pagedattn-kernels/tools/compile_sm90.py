@@ -255,7 +255,7 @@ def main() -> None:
 def _fp8_variants() -> None:
     """The fp8 kernels at Llama-3-8B's shapes (8 KV heads of 128, 4 query heads each): decode
     on fp8 caches (the launcher's tiles with float16 and with bfloat16 products, packed
-    loads at three tiles), prefill, the e4m3 writers (cache write, per-token quantization,
+    loads at three tiles, the narrow tiles of many sequences: 64 x 2 warps, 32 x 1 warp), prefill, the e4m3 writers (cache write, per-token quantization,
     the fused norm and SiLU) and the fp8 matmul at decode batch sizes."""
     hkv, group, head_dim = 8, 4, 128
     kc = torch.empty(64, 16, hkv, head_dim, dtype=torch.float8_e4m3fn)
@@ -267,7 +267,8 @@ def _fp8_variants() -> None:
         base = attention.decode_config(head_dim, dtype, kv_dtype=kc.dtype)
         # (f16_products, packed_loads, tile shape or None for the launcher's)
         options = [(True, False, None), (True, True, None), (True, True, (64, 4, 2)),
-                   (True, True, (64, 2, 2))]  # fmt: skip
+                   (True, True, (64, 2, 2)), (True, False, (64, 2, 3)),
+                   (True, False, (32, 1, 3)), (True, False, (32, 1, 4))]  # fmt: skip
         if dtype == torch.bfloat16:
             options.append((False, False, None))
         for f16, packed, shape in options:
