@@ -134,7 +134,7 @@ def main() -> int:
                     "SHAPES, e.g. 64x4096,16x8192")
     ap.add_argument("--bf16-only", action="store_true", help="the bfloat16 cache only")
     ap.add_argument("--splits", default="", help="forced split counts to try instead of "
-                    "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences)")
+                    "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences); none: the automatic count only")
     ap.add_argument("--configs", default="", help="fp8 tiles to try instead of CONFIGS: "
                     "TILE_N/WARPS/STAGES[/PER_SM] triples, comma-separated (e.g. 64/2/4,32/2/3)")
     ap.add_argument("--bf16-configs", default="", help="bfloat16 tiles to try instead of "
@@ -157,7 +157,8 @@ def main() -> int:
         for dtype in (torch.bfloat16,) if args.bf16_only else (torch.bfloat16, FP8):
             nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
             kvs, tables = caches(batch, context, dtype, gen, max(1, int(-(-ROTATE_BYTES // nbytes))))
-            forced = [int(x) for x in args.splits.split(",") if x] or SPLITS[1:]
+            forced = ([] if args.splits == "none" else
+                      [int(x) for x in args.splits.split(",") if x] or SPLITS[1:])
             forced = forced if batch <= SPLIT_MAX_BATCH else []  # many pairs: automatic
             variants = [(None, None)] + [(None, s) for s in forced]
             if not args.automatic_configs:
