@@ -240,10 +240,10 @@ def test_decode_fp8_packed_loads(target, seed, case):
 @pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3), (64, BF16, 32, 1)],
                          ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-g{c[3]}")  # fmt: skip
 def test_decode_fp8_narrow_tiles(target, seed, case):
-    """``FP8_NARROW``, the tiles of many (sequence, KV head) pairs on an fp8 cache: one warp
-    per program, 32-token tiles. Against the float64 reference, unsplit and split, ragged
-    tiles and a padded head dim (80) included; on a GPU also chosen by the launcher itself
-    for a batch of more than ``FP8_NARROW_TILE_PAIRS`` pairs."""
+    """``FP8_NARROW`` and ``FP8_ONE_WARP``, the tiles of many (sequence, KV head) pairs on an
+    fp8 cache: 64 tokens and two warps, 32 tokens and one warp per program. Against the
+    float64 reference, unsplit and split, ragged tiles and a padded head dim (80) included;
+    on a GPU also as the launcher chooses them for batches of many pairs."""
     if target.backend != "triton":
         pytest.skip("a Triton kernel configuration")
     from pagedattn_kernels.attention import triton_launch as tl_
@@ -253,21 +253,25 @@ def test_decode_fp8_narrow_tiles(target, seed, case):
     batch, ks, vs = _fp8_batch(target, seed, case, lens, [1] * len(lens))
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
     ref = reference.paged_decode_attention(*args, k_scale=ks, v_scale=vs)
-    for splits in (1, 3):
-        out = tl_.paged_decode_attention(
-            *args, head_dim**-0.5, max(lens), poisoned_like(batch.query), num_splits=splits,
-            config=tl_.FP8_NARROW, k_scale=ks, v_scale=vs,
-        )  # fmt: skip
-        err = rel_error(out, ref)
-        assert err < TOLERANCE[dtype], f"splits={splits}: rel error {err:.2e} (seed={seed})"
-    if target.full:  # the launcher's own choice at many pairs: 40 copies of the batch
-        assert len(lens) * 40 * batch.key_cache.shape[2] >= tl_.FP8_NARROW_TILE_PAIRS
-        q = batch.query.repeat(40, 1, 1)
-        tables, seq_lens = batch.block_tables.repeat(40, 1), batch.seq_lens.repeat(40)
+    for cfg in (tl_.FP8_NARROW, tl_.FP8_ONE_WARP):
+        for splits in (1, 3):
+            out = tl_.paged_decode_attention(
+                *args, head_dim**-0.5, max(lens), poisoned_like(batch.query),
+                num_splits=splits, config=cfg, k_scale=ks, v_scale=vs,
+            )  # fmt: skip
+            err = rel_error(out, ref)
+            msg = f"{cfg.tile_n}x{cfg.num_warps} splits={splits}: rel error {err:.2e} (seed={seed})"
+            assert err < TOLERANCE[dtype], msg
+    if not target.full:
+        return
+    for pairs in (tl_.FP8_NARROW_TILE_PAIRS, tl_.FP8_ONE_WARP_PAIRS):  # the launcher's choice
+        copies = -(-pairs // (len(lens) * batch.key_cache.shape[2]))
+        q = batch.query.repeat(copies, 1, 1)
+        tables, seq_lens = batch.block_tables.repeat(copies, 1), batch.seq_lens.repeat(copies)
         out = pk.paged_decode_attention(q, batch.key_cache, batch.value_cache, tables, seq_lens,
                                         k_scale=ks, v_scale=vs, out=poisoned_like(q))  # fmt: skip
-        err = rel_error(out, ref.repeat(40, 1, 1))
-        assert err < TOLERANCE[dtype], f"many pairs: rel error {err:.2e} (seed={seed})"
+        err = rel_error(out, ref.repeat(copies, 1, 1))
+        assert err < TOLERANCE[dtype], f"{copies} copies: rel error {err:.2e} (seed={seed})"
 
 
 def test_packed_loads_need_word_aligned_rows(target, seed):

@@ -55,14 +55,22 @@ def test_reference_cache_ops():
 
 
 def test_fp8_decode_tiles_by_pairs():
-    """On fp8 caches, 256 (sequence, KV head) pairs or more take 32-token tiles of one warp,
-    eight programs per SM (faster on an H200 with many programs, slower with few); 16-bit
-    caches are unaffected; only 16-bit caches take the ragged tile into the loop."""
-    from pagedattn_kernels.attention.triton_launch import FP8_NARROW_TILE_PAIRS, decode_config
+    """On fp8 caches, 256 (sequence, KV head) pairs or more take 64-token tiles of two warps,
+    four programs per SM, and 512 or more 32-token tiles of one warp, eight per SM (faster
+    on an H200 with many programs, slower with few); 16-bit caches are unaffected; only
+    16-bit caches take the ragged tile into the loop."""
+    from pagedattn_kernels.attention.triton_launch import (
+        FP8_NARROW_TILE_PAIRS,
+        FP8_ONE_WARP_PAIRS,
+        decode_config,
+    )  # fmt: skip
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     narrow = decode_config(128, bf16, kv_dtype=fp8, num_pairs=FP8_NARROW_TILE_PAIRS)
-    assert (narrow.tile_n, narrow.num_warps, narrow.num_stages, narrow.per_sm) == (32, 1, 3, 8)
+    assert (narrow.tile_n, narrow.num_warps, narrow.num_stages, narrow.per_sm) == (64, 2, 3, 4)
+    assert decode_config(128, bf16, kv_dtype=fp8, num_pairs=FP8_ONE_WARP_PAIRS - 1) == narrow
+    one = decode_config(128, bf16, kv_dtype=fp8, num_pairs=FP8_ONE_WARP_PAIRS)
+    assert (one.tile_n, one.num_warps, one.num_stages, one.per_sm) == (32, 1, 3, 8)
     assert decode_config(128, bf16).one_loop and decode_config(256, torch.float16).one_loop
     assert not decode_config(128, bf16, kv_dtype=fp8, num_pairs=4096).one_loop
     for pairs in (None, FP8_NARROW_TILE_PAIRS - 1, 128):  # 16 x 8k stays wide

@@ -80,10 +80,14 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 #: fp8 caches: from this many (sequence, KV head) pairs on, the decode kernel takes narrow
-#: tiles (``decode_config``): ``FP8_NARROW``, one warp per program (212 registers and 12 KB
-#: of shared memory at head dim 128 on sm_90: eight programs per SM).
+#: tiles (``decode_config``): ``FP8_NARROW``, 64 tokens and two warps per program (255
+#: registers and 22 KB of shared memory at head dim 128 on sm_90: four programs per SM) ...
 FP8_NARROW_TILE_PAIRS = 256
-FP8_NARROW = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
+FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
+#: ... and from this many on ``FP8_ONE_WARP``, 32 tokens and one warp per program (212
+#: registers and 12 KB of shared memory: eight programs per SM).
+FP8_ONE_WARP_PAIRS = 512
+FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
 
 
 def decode_config(
@@ -103,27 +107,34 @@ def decode_config(
 
     fp8 caches (``kv_dtype``): the same 128-token tiles hold half the bytes, so a third
     pipeline stage keeps as many bytes in flight (3 x 32 KB of K and V per program). With
-    ``num_pairs`` (sequences x KV heads) of ``FP8_NARROW_TILE_PAIRS`` or more, one warp per
-    program and 32-token tiles instead (``FP8_NARROW``), eight programs per SM for the split
-    count: many small programs that never wait for one another. In a program of several
-    warps each tile's scores are split across the warps, so every tile's row maximum and sum
-    and the probabilities' trip to the P.V operand cross warps through shared memory, behind
-    barriers; a single warp keeps all of that in its registers and shuffles. On an H200
-    (Llama-3-8B heads, the engine's bound of 2,048, CUDA graphs; ``docs/performance/gpu_runs/
-    2026-12-02e/decode_bigshapes_tiles_*.log``) one warp read 82.4% of the copy bandwidth at
-    384 x 600 against 66.0% for the 64-token tiles of two warps before (139.0 against 173.4
-    us, 1.59x the bfloat16 cache's time), 79.7% against 62.2% at 768 x 450 (215.5 against
-    275.9 us) and 72.9% against 60.1% at 128 x 500 (43.6 against 52.9 us); two warps of 32
-    tokens ran at 48-52%, four warps of 64 at 42-45%. (The 64-token tiles of two warps had
-    taken over from the 128-token ones at 74.0% against 69.3% of the copy bandwidth at 64 x
-    4k, 66.5% against 59.3% at 256 x 512, 43.4 against 51.2 us at 48 x 900: ``2026-12-01f/
-    decode_key_major_28a3833.log``, 8c1dddc.) With fewer pairs the wide tiles stay (narrow
-    ones lost there: 43.0% against 61.7% at 16 x 8k, 36.1% against 47.3% at 1 x 32k). The
-    ragged tile stays after the loop on fp8 caches: inside it was slower there (8c1dddc)."""
+    ``num_pairs`` (sequences x KV heads) of ``FP8_NARROW_TILE_PAIRS`` or more, narrower
+    programs instead: many small programs, several per SM for the split count. On an H200
+    (Llama-3-8B heads, CUDA graphs) 64-token tiles of two warps (``FP8_NARROW``) read 74.0%
+    of the copy bandwidth at 64 x 4k against 69.3% for the wide tiles, 66.5% against 59.3% at
+    256 x 512, and took 43.4 us against 51.2 at 48 x 900 at the engine's bound of 2,048
+    (``docs/performance/gpu_runs/2026-12-01f/decode_key_major_28a3833.log``, 8c1dddc).
+
+    From ``FP8_ONE_WARP_PAIRS`` on, one warp per program and 32-token tiles
+    (``FP8_ONE_WARP``), eight programs per SM: programs that never wait for one another. In
+    a program of several warps each tile's scores are split across the warps, so every
+    tile's row maximum and sum, and the probabilities on their way to the P.V operand, cross
+    warps through shared memory behind barriers; a single warp keeps all of that in its
+    registers and shuffles. On an H200 (``gpu_runs/2026-12-02e/decode_bigshapes_tiles_*.log``,
+    ``decode_onewarp_*.log``) one warp read 82.4% of the copy bandwidth at 384 x 600 against
+    66.0% for ``FP8_NARROW`` (139.0 against 173.4 us, 1.59x the bfloat16 cache's speed),
+    79.7% against 62.2% at 768 x 450 and 72.9% against 60.1% at 128 x 500; two warps of 32
+    tokens ran at 48-52%, four warps of 64 at 42-45%. With fewer pairs it gains nothing: 47.0
+    against 44.3 us at 48 x 900 (384 pairs), 36.6 against 37.5 at 64 x 700 (512), 32.2
+    against 31.8 at 32 x 900 (256). With fewer than ``FP8_NARROW_TILE_PAIRS`` pairs the wide
+    tiles stay (narrow ones lost there: 43.0% against 61.7% at 16 x 8k, 36.1% against 47.3%
+    at 1 x 32k). The ragged tile stays after the loop on fp8 caches: inside it was slower
+    there (8c1dddc)."""
     if interpreted:  # the interpreter pays per operation: few, wide tiles
         return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
     dpad = padded_head_dim(head_dim)
     if kv_dtype == FP8_DTYPE and dtype.itemsize == 2:
+        if dpad <= 128 and num_pairs is not None and num_pairs >= FP8_ONE_WARP_PAIRS:
+            return FP8_ONE_WARP
         if dpad <= 128 and num_pairs is not None and num_pairs >= FP8_NARROW_TILE_PAIRS:
             return FP8_NARROW
         return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=3)
