@@ -46,6 +46,11 @@
 #     the shapes at which decode_fp8_engine_shapes.py stopped on a CUDA error (128x900,
 #     512x500), with CUDA_LAUNCH_BLOCKING=1 so that the error names its kernel
 #                                                  -> decode_shapes_blocking.log
+#   bash scripts/gpu_fp8.sh onewarp            # ~5 min, carrying .gpu_data
+#     the fp8 run with the decode kernel's one-warp tiles from 512 (sequence, KV head) pairs
+#     (the default) and without them (PAGEDATTN_FP8_ONE_WARP_PAIRS=1000000000), interleaved
+#     twice: each round's ratio and the decode bands (the one-warp tiles' share of the run)
+#                                                  -> ..._fp8_onewarp{1,0}_r{1,2}.json
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
@@ -220,6 +225,35 @@ PY
       ;;
     rows256)
       PAGEDKV_FP8_MATMUL_MAX_ROWS=256 throughput _fp8_rows256 --kv-cache-dtype fp8 --quantization fp8
+      ;;
+    onewarp)
+      keep_out=$OUT; OUT=/tmp/pagedkv-onewarp; mkdir -p "$OUT"
+      for round in 1 2; do
+        for one in 1 0; do
+          pairs=512; [[ $one == 0 ]] && pairs=1000000000
+          PAGEDATTN_FP8_ONE_WARP_PAIRS=$pairs throughput "_fp8_onewarp${one}_r$round" \
+            --kv-cache-dtype fp8 --quantization fp8 | grep -E "^\{'output|decode batches"
+          cp "$OUT/throughput_${name}_fp8_onewarp${one}_r$round.json" "$keep_out"/ 2>/dev/null
+        done
+      done
+      OUT=$keep_out
+      "$PYTHON" - "$OUT" "$name" <<'PY'
+import json, sys
+out, name = sys.argv[1], sys.argv[2]
+for r in (1, 2):
+    try:
+        on, off = (json.load(open(f"{out}/throughput_{name}_fp8_onewarp{k}_r{r}.json"))
+                   for k in (1, 0))
+    except OSError as exc:
+        print(f"round {r}: no figures ({exc})")
+        continue
+    bands = {b: (on["decode_host_gap_by_batch"][b]["seconds"],
+                 off["decode_host_gap_by_batch"][b]["seconds"])
+             for b in on.get("decode_host_gap_by_batch", {}) if b in off.get("decode_host_gap_by_batch", {})}
+    print(f"round {r}: one warp {on['output_tok_s']:,.0f} / without {off['output_tok_s']:,.0f} "
+          f"output tok/s = {on['output_tok_s'] / off['output_tok_s']:.3f}x; decode bands (s) "
+          + ", ".join(f"{b}: {a:.2f} / {c:.2f}" for b, (a, c) in bands.items()))
+PY
       ;;
     splits)
       if [[ "$SMOKE" == 1 ]]; then echo "=== splits: needs a GPU (skipped in a smoke run)"; continue; fi

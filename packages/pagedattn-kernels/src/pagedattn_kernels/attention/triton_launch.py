@@ -7,6 +7,7 @@ the same kernels in Triton's interpreter (``pagedattn_kernels.common.kernels_for
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +86,10 @@ def padded_head_dim(head_dim: int) -> int:
 FP8_NARROW_TILE_PAIRS = 256
 FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: ... and from this many on ``FP8_ONE_WARP``, 32 tokens and one warp per program (212
-#: registers and 12 KB of shared memory: eight programs per SM).
-FP8_ONE_WARP_PAIRS = 512
+#: registers and 12 KB of shared memory: eight programs per SM). ``PAGEDATTN_FP8_ONE_WARP_PAIRS``
+#: (read at import) moves the threshold, for A/B runs of a whole benchmark (a huge value:
+#: never one warp).
+FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
 FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
 
 
