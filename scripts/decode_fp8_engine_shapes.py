@@ -134,7 +134,8 @@ def main() -> int:
                     "SHAPES, e.g. 64x4096,16x8192")
     ap.add_argument("--bf16-only", action="store_true", help="the bfloat16 cache only")
     ap.add_argument("--splits", default="", help="forced split counts to try instead of "
-                    "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences); none: the automatic count only")
+                    "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences); 'none': only "
+                    "the automatic count")
     ap.add_argument("--configs", default="", help="fp8 tiles to try instead of CONFIGS: "
                     "TILE_N/WARPS/STAGES[/PER_SM] triples, comma-separated (e.g. 64/2/4,32/2/3)")
     ap.add_argument("--bf16-configs", default="", help="bfloat16 tiles to try instead of "

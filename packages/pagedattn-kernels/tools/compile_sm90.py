@@ -255,8 +255,9 @@ def main() -> None:
 def _fp8_variants() -> None:
     """The fp8 kernels at Llama-3-8B's shapes (8 KV heads of 128, 4 query heads each): decode
     on fp8 caches (the launcher's tiles with float16 and with bfloat16 products, packed
-    loads at three tiles, the narrow tiles of many sequences: 64 x 2 warps, 32 x 1 warp), prefill, the e4m3 writers (cache write, per-token quantization,
-    the fused norm and SiLU) and the fp8 matmul at decode batch sizes."""
+    loads at three tiles, the narrow tiles of many sequences: 64 x 2 warps, 32 x 1 warp),
+    prefill, the e4m3 writers (cache write, per-token quantization, the fused norm and SiLU)
+    and the fp8 matmul at decode batch sizes."""
     hkv, group, head_dim = 8, 4, 128
     kc = torch.empty(64, 16, hkv, head_dim, dtype=torch.float8_e4m3fn)
     bt = torch.zeros(2, 32, dtype=torch.int32)

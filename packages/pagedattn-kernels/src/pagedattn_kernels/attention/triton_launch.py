@@ -124,7 +124,7 @@ def decode_config(
     warps through shared memory behind barriers; a single warp keeps all of that in its
     registers and shuffles. On an H200 (``gpu_runs/2026-12-02e/decode_bigshapes_tiles_*.log``,
     ``decode_onewarp_*.log``) one warp read 82.4% of the copy bandwidth at 384 x 600 against
-    66.0% for ``FP8_NARROW`` (139.0 against 173.4 us, 1.59x the bfloat16 cache's speed),
+    66.0% for ``FP8_NARROW`` (139.0 against 173.4 us; the bfloat16 cache took 221.5),
     79.7% against 62.2% at 768 x 450 and 72.9% against 60.1% at 128 x 500; two warps of 32
     tokens ran at 48-52%, four warps of 64 at 42-45%. With fewer pairs it gains nothing: 47.0
     against 44.3 us at 48 x 900 (384 pairs), 36.6 against 37.5 at 64 x 700 (512), 32.2
