@@ -42,10 +42,6 @@
 #     scripts/decode_fp8_engine_shapes.py at the large batches of the run's decode bands
 #     (BIG_SHAPES, 192x700,384x600,768x450): every tile configuration on the fp8 cache
 #                                                  -> decode_bigshapes.json
-#   bash scripts/gpu_fp8.sh shapeserr          # ~2 min
-#     the shapes at which decode_fp8_engine_shapes.py stopped on a CUDA error (128x900,
-#     512x500), with CUDA_LAUNCH_BLOCKING=1 so that the error names its kernel
-#                                                  -> decode_shapes_blocking.log
 #   bash scripts/gpu_fp8.sh onewarp            # ~5 min, carrying .gpu_data
 #     the fp8 run with the decode kernel's one-warp tiles from 512 (sequence, KV head) pairs
 #     (the default) and without them (PAGEDATTN_FP8_ONE_WARP_PAIRS=1000000000), interleaved
@@ -161,6 +157,14 @@ kernel_bench() {  # kernel_bench LOG JSON TIMEOUT LINES KEYS [benchmark options.
     || echo "$json: no JSON line (see $log)"
 }
 
+engine_shapes() {  # engine_shapes TAG [decode_fp8_engine_shapes.py options...]: -> TAG.json/.log
+  local tag=$1; shift
+  timeout 300 "$PYTHON" scripts/decode_fp8_engine_shapes.py "$@" --budget-s 240 \
+    --commit "${PAGEDKV_COMMIT:-}" --output-json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1
+  echo "    exit $?"
+  grep -E "B=|best|rror" "$OUT/$tag.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -60
+}
+
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
@@ -258,29 +262,13 @@ PY
     splits)
       if [[ "$SMOKE" == 1 ]]; then echo "=== splits: needs a GPU (skipped in a smoke run)"; continue; fi
       echo "=== decode attention at small batches: automatic against forced split counts"
-      timeout 300 "$PYTHON" scripts/decode_fp8_engine_shapes.py --automatic-configs \
-        --splits "${SPLIT_SET:-2,4,8,16}" --shapes "${SPLIT_SHAPES:-16x900,32x900,48x900,64x700,128x500}" \
-        --budget-s 240 --commit "${PAGEDKV_COMMIT:-}" --output-json "$OUT/decode_splits.json" \
-        > "$OUT/decode_splits.log" 2>&1
-      echo "    exit $?"
-      grep -E "B=|best" "$OUT/decode_splits.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -60
+      engine_shapes decode_splits --automatic-configs --splits "${SPLIT_SET:-2,4,8,16}" \
+        --shapes "${SPLIT_SHAPES:-16x900,32x900,48x900,64x700,128x500}"
       ;;
     bigshapes)
       if [[ "$SMOKE" == 1 ]]; then echo "=== bigshapes: needs a GPU (skipped in a smoke run)"; continue; fi
       echo "=== decode attention at large batches: every tile configuration"
-      timeout 300 "$PYTHON" scripts/decode_fp8_engine_shapes.py --shapes "${BIG_SHAPES:-192x700,384x600,768x450}" \
-        --budget-s 240 --commit "${PAGEDKV_COMMIT:-}" --output-json "$OUT/decode_bigshapes.json" \
-        > "$OUT/decode_bigshapes.log" 2>&1
-      echo "    exit $?"
-      grep -E "B=|best|rror" "$OUT/decode_bigshapes.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -40
-      ;;
-    shapeserr)
-      if [[ "$SMOKE" == 1 ]]; then echo "=== shapeserr: needs a GPU (skipped in a smoke run)"; continue; fi
-      echo "=== decode_fp8_engine_shapes.py at the shapes of its CUDA errors, launches blocking"
-      CUDA_LAUNCH_BLOCKING=1 timeout 200 "$PYTHON" scripts/decode_fp8_engine_shapes.py \
-        --shapes 128x900,512x500 --budget-s 150 > "$OUT/decode_shapes_blocking.log" 2>&1
-      echo "    exit $?"
-      grep -E -i "error|B=|Traceback" "$OUT/decode_shapes_blocking.log" | tail -25
+      engine_shapes decode_bigshapes --shapes "${BIG_SHAPES:-192x700,384x600,768x450}"
       ;;
     profile)
       # A decode step by kernel family at small and mid batches, bf16 then fp8 weights and
