@@ -336,12 +336,24 @@ def rotary_kernel(
 
 
 @triton.jit
-def _store_to_cache(ptr, x, mask, scale_ptr, KV_FP8: tl.constexpr, E4M3: tl.constexpr):
-    """Store ``x`` (model dtype) as the cache holds it: itself, or (KV_FP8) e4m3 of
-    ``clamp(x / scale, -448, 448)``, as ``reshape_and_cache_kernel`` writes it."""
+def _cache_scale(scale_ptr, KV_FP8: tl.constexpr):
+    """(scale, 1 / scale) of an fp8 cache, loaded once per program for ``_store_to_cache``;
+    (1.0, 1.0), never read, for a 16-bit cache (whose scale pointer is the cache itself)."""
+    scale = 1.0
+    recip = 1.0
     if KV_FP8:
         scale = tl.load(scale_ptr)
-        y = _quotient(x.to(tl.float32), scale, tl.math.div_rn(1.0, scale))
+        recip = tl.math.div_rn(1.0, scale)
+    return scale, recip
+
+
+@triton.jit
+def _store_to_cache(ptr, x, mask, scale, recip, KV_FP8: tl.constexpr, E4M3: tl.constexpr):
+    """Store ``x`` (model dtype) as the cache holds it: itself, or (KV_FP8) e4m3 of
+    ``clamp(x / scale, -448, 448)`` (``recip``: 1 / scale, see ``_cache_scale``), as
+    ``reshape_and_cache_kernel`` writes it."""
+    if KV_FP8:
+        y = _quotient(x.to(tl.float32), scale, recip)
         tl.store(ptr, _e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0), E4M3), mask=mask)
     else:
         tl.store(ptr, x, mask=mask)
@@ -411,12 +423,14 @@ def rotary_and_cache_kernel(
     hd = h[None, :, None]
     kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok + hd * stride_kc_head
     kc += d[None, None, :]
-    _store_to_cache(kc, k1, mask, k_scale_ptr, KV_FP8, E4M3)
-    _store_to_cache(kc + HALF, k2, mask, k_scale_ptr, KV_FP8, E4M3)
+    k_scale, k_recip = _cache_scale(k_scale_ptr, KV_FP8)
+    _store_to_cache(kc, k1, mask, k_scale, k_recip, KV_FP8, E4M3)
+    _store_to_cache(kc + HALF, k2, mask, k_scale, k_recip, KV_FP8, E4M3)
     v = v_ptr + t64[:, None, None] * stride_vt + hd * stride_vh + d[None, None, :]
     vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok + hd * stride_vc_head
     vc += d[None, None, :]
     v1 = tl.load(v, mask=mask)
     v2 = tl.load(v + HALF, mask=mask)
-    _store_to_cache(vc, v1, mask, v_scale_ptr, KV_FP8, E4M3)
-    _store_to_cache(vc + HALF, v2, mask, v_scale_ptr, KV_FP8, E4M3)
+    v_scale, v_recip = _cache_scale(v_scale_ptr, KV_FP8)
+    _store_to_cache(vc, v1, mask, v_scale, v_recip, KV_FP8, E4M3)
+    _store_to_cache(vc + HALF, v2, mask, v_scale, v_recip, KV_FP8, E4M3)
