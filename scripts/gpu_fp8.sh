@@ -43,9 +43,9 @@
 #     (BIG_SHAPES, 192x700,384x600,768x450): every tile configuration on the fp8 cache
 #                                                  -> decode_bigshapes.json
 #   bash scripts/gpu_fp8.sh onewarp            # ~5 min, carrying .gpu_data
-#     the fp8 run with the decode kernel's one-warp tiles from 512 (sequence, KV head) pairs
-#     (the default) and without them (PAGEDATTN_FP8_ONE_WARP_PAIRS=1000000000), interleaved
-#     twice: each round's ratio and the decode bands (the one-warp tiles' share of the run)
+#     the fp8 run with the decode kernel's one-warp tiles (the launcher's threshold, 512
+#     (sequence, KV head) pairs) and without them (PAGEDATTN_FP8_ONE_WARP_PAIRS=1000000000),
+#     interleaved twice: each round's ratio and the decode bands (the tiles' share of the run)
 #                                                  -> ..._fp8_onewarp{1,0}_r{1,2}.json
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
@@ -233,14 +233,15 @@ PY
     onewarp)
       keep_out=$OUT; OUT=/tmp/pagedkv-onewarp; mkdir -p "$OUT"
       for round in 1 2; do
-        for one in 1 0; do
-          pairs=512; [[ $one == 0 ]] && pairs=1000000000
-          PAGEDATTN_FP8_ONE_WARP_PAIRS=$pairs throughput "_fp8_onewarp${one}_r$round" \
-            --kv-cache-dtype fp8 --quantization fp8 | grep -E "^\{'output|decode batches"
+        for one in 1 0; do  # 1: the launcher's own threshold; 0: a threshold never reached
+          if [[ $one == 1 ]]; then unset PAGEDATTN_FP8_ONE_WARP_PAIRS
+          else export PAGEDATTN_FP8_ONE_WARP_PAIRS=1000000000; fi
+          throughput "_fp8_onewarp${one}_r$round" --kv-cache-dtype fp8 --quantization fp8 \
+            | grep -E "^\{'output|decode batches"
           cp "$OUT/throughput_${name}_fp8_onewarp${one}_r$round.json" "$keep_out"/ 2>/dev/null
         done
       done
-      OUT=$keep_out
+      unset PAGEDATTN_FP8_ONE_WARP_PAIRS; OUT=$keep_out
       "$PYTHON" - "$OUT" "$name" <<'PY'
 import json, sys
 out, name = sys.argv[1], sys.argv[2]

@@ -136,10 +136,11 @@ def decode_config(
         return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
     dpad = padded_head_dim(head_dim)
     if kv_dtype == FP8_DTYPE and dtype.itemsize == 2:
-        if dpad <= 128 and num_pairs is not None and num_pairs >= FP8_ONE_WARP_PAIRS:
-            return FP8_ONE_WARP
-        if dpad <= 128 and num_pairs is not None and num_pairs >= FP8_NARROW_TILE_PAIRS:
-            return FP8_NARROW
+        if dpad <= 128 and num_pairs is not None:
+            if num_pairs >= FP8_ONE_WARP_PAIRS:
+                return FP8_ONE_WARP
+            if num_pairs >= FP8_NARROW_TILE_PAIRS:
+                return FP8_NARROW
         return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=3)
     if dtype.itemsize == 4:  # fp32: tf32x3 dots hold split operands in registers: small tiles
         return DecodeConfig(tile_n=32 if dpad <= 128 else 16, num_warps=4, num_stages=2)
