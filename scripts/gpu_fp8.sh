@@ -94,7 +94,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: PROFILE_BATCHES (16,48), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), RATIO_ROUNDS (2), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: PROFILE_BATCHES (16,48), PROFILE_CONTEXT (900), PROFILE_LINES (120), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), RATIO_ROUNDS (2), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -279,11 +279,13 @@ PY
       for kind in bf16 fp8; do
         extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
         echo "=== decode step profile ($kind)"
-        PAGEDATTN_PDL=0 timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes "${PROFILE_BATCHES:-16,48}" --context 900 \
-          --steps 16 --warmup-steps 4 --profile-steps 4 "${model[@]}" "${extra[@]}" \
+        PAGEDATTN_PDL=0 timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes "${PROFILE_BATCHES:-16,48}" \
+          --context "${PROFILE_CONTEXT:-900}" --steps 16 --warmup-steps 4 --profile-steps 4 \
+          "${model[@]}" "${extra[@]}" --max-model-len 2048 --max-num-seqs "${MAX_NUM_SEQS:-1024}" \
+          --max-num-batched-tokens "${MAX_BATCHED:-16384}" \
           --output-json "$OUT/decode_profile_${kind}.json" > "$OUT/decode_profile_${kind}.log" 2>&1
         echo "    exit $?"
-        grep -E "batch|GPU time|gemm |other |decode_kernel|decode_reduce" "$OUT/decode_profile_${kind}.log" | head -24
+        grep -vE " INFO |Warn|warn_once" "$OUT/decode_profile_${kind}.log" | head -${PROFILE_LINES:-120}
       done
       ;;
     pdl)

@@ -148,10 +148,14 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
     lengths = [min(n, max_len - room) for n in lengths]
     if min(lengths) < 1:
         raise ValueError(f"max_model_len {max_len} leaves no room for {room} decode steps")
-    params = SamplingParams(max_tokens=room + 8, temperature=0.0, ignore_eos=True,
-                            detokenize=False)
     ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
     for rid, n in zip(ids, lengths):
+        # Room to the context's end, not just the timed steps: with large batches the prefills
+        # take many steps, and the first sequences prefilled decode all through them (384 x 900
+        # tokens: 21 chunks of 16,384); with a tight budget they finished before the timing.
+        # They are aborted when it is done.
+        params = SamplingParams(max_tokens=max_len - n, temperature=0.0, ignore_eos=True,
+                                detokenize=False)
         engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(n)], params)
     try:
         # Prefills (chunked), until a step is a decode step of the whole batch: nothing waits
