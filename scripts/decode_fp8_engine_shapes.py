@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
+import random
 import sys
 import time
 
@@ -65,19 +67,39 @@ SPLIT_MAX_BATCH = 64
 ROTATE_BYTES = 256e6
 
 
-def caches(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator, copies: int):
+def caches(lens: list[int], dtype: torch.dtype, gen: torch.Generator, copies: int):
     """``copies`` paged K/V caches in shuffled blocks, and the block table they share."""
-    per_seq = -(-context // BLOCK)
-    shape = (batch * per_seq, BLOCK, KV_HEADS, HEAD_DIM)
+    per_seq = [-(-n // BLOCK) for n in lens]
+    shape = (sum(per_seq), BLOCK, KV_HEADS, HEAD_DIM)
     out = []
     for _ in range(copies):
         kc = torch.randn(shape, generator=gen, device="cuda").to(dtype)
         vc = torch.randn(shape, generator=gen, device="cuda").to(dtype)
         out.append((kc, vc))
-    perm = torch.randperm(batch * per_seq, generator=gen, device="cuda")
-    tables = torch.zeros(batch, bound(context) // BLOCK, dtype=torch.int32, device="cuda")
-    tables[:, :per_seq] = perm.view(batch, per_seq).to(torch.int32)
+    perm = torch.randperm(shape[0], generator=gen, device="cuda").to(torch.int32)
+    tables = torch.zeros(len(lens), bound(max(lens)) // BLOCK, dtype=torch.int32, device="cuda")
+    for i, piece in enumerate(perm.split(per_seq)):
+        tables[i, : len(piece)] = piece
     return out, tables
+
+
+def context_lengths(batch: int, context: int, how: str, seed: int) -> list[int]:
+    """The batch's context lengths: ``fixed`` (all ``context``), ``spread`` (uniform over
+    [context / 2, 3 context / 2], the spread of ``pagedkv.bench.decode_step``), or the path of
+    a ShareGPT workload file (``pagedkv.bench.paper_gpu prepare``): the contexts of a batch of
+    live requests in the middle of a run, each a request drawn with a weight of its output
+    length (a request stays in the batch for as many steps as it generates), at a uniform
+    point of its output (``context`` is then unused). Capped below ``MAX_MODEL_LEN``."""
+    rng = random.Random(seed)
+    if how == "fixed":
+        return [context] * batch
+    if how == "spread":
+        return [rng.randint(max(1, context // 2), context * 3 // 2) for _ in range(batch)]
+    with open(how) as f:
+        reqs = json.load(f)["requests"]
+    pairs = [(len(r["prompt_token_ids"]), int(r["output_len"])) for r in reqs]
+    picks = rng.choices(pairs, weights=[max(o, 1) for _, o in pairs], k=batch)
+    return [min(p + rng.randint(0, o), MAX_MODEL_LEN - 1) for p, o in picks]
 
 
 def parse_configs(text: str) -> list:
@@ -90,7 +112,7 @@ def bound(context: int) -> int:
     return max(MAX_MODEL_LEN, context)
 
 
-def attend(q, kv, tables, lens, out, config=None, splits=None):
+def attend(q, kv, tables, lens, out, config=None, splits=None, partition=None):
     kc, vc = kv
     scales = {}
     if kc.dtype == FP8:
@@ -98,7 +120,8 @@ def attend(q, kv, tables, lens, out, config=None, splits=None):
         scales = {"k_scale": one, "v_scale": one}
     return tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5,
                                             tables.shape[1] * BLOCK, out, num_splits=splits,
-                                            config=config, **scales)  # fmt: skip
+                                            config=config, partition_size=partition,
+                                            **scales)  # fmt: skip
 
 
 def check() -> int:
@@ -142,6 +165,12 @@ def main() -> int:
                     "BF16_CONFIGS, as --configs")
     ap.add_argument("--automatic-configs", action="store_true",
                     help="only the automatic tiles (with the forced splits): no CONFIGS sweep")
+    ap.add_argument("--lengths", default="fixed", help="the batch's contexts: fixed (all the "
+                    "shape's), spread (uniform over half to 1.5x it), or a ShareGPT workload "
+                    "JSON (live requests' contexts; the shape's context unused)")
+    ap.add_argument("--partitions", default="", help="partition sizes (tokens per program, "
+                    "paged_decode_attention's partition_size) to try with every tile of both "
+                    "caches, e.g. 128,256,512")
     run = start(ap, check, budget_s=150.0)
     if isinstance(run, int):
         return run
@@ -150,38 +179,46 @@ def main() -> int:
     shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",") if x] or SHAPES
     fp8_configs = parse_configs(args.configs) or CONFIGS
     bf16_configs = parse_configs(args.bf16_configs) or BF16_CONFIGS
+    partitions = [int(x) or None for x in args.partitions.split(",") if x]
     for batch, context in shapes:
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        host_lens = context_lengths(batch, context, args.lengths, seed=batch)
+        if args.lengths not in ("fixed", "spread"):
+            context = round(sum(host_lens) / batch)  # the rows' context: the mean
+        lens = torch.tensor(host_lens, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty_like(q)
         bf16_us = None
         for dtype in (torch.bfloat16,) if args.bf16_only else (torch.bfloat16, FP8):
-            nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
-            kvs, tables = caches(batch, context, dtype, gen, max(1, int(-(-ROTATE_BYTES // nbytes))))
+            nbytes = 2 * sum(host_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize
+            kvs, tables = caches(host_lens, dtype, gen, max(1, int(-(-ROTATE_BYTES // nbytes))))
             forced = ([] if args.splits == "none" else
                       [int(x) for x in args.splits.split(",") if x] or SPLITS[1:])
             forced = forced if batch <= SPLIT_MAX_BATCH else []  # many pairs: automatic
-            variants = [(None, None)] + [(None, s) for s in forced]
+            variants = [(None, None, None)] + [(None, s, None) for s in forced]
+            variants += [(None, None, p) for p in partitions if p]
             if not args.automatic_configs:
                 configs = bf16_configs if dtype == torch.bfloat16 else fp8_configs
-                variants += [(c, s) for c in configs for s in [None, *forced]]
-            for cfg, splits in variants:
+                variants += [(c, s, None) for c in configs for s in [None, *forced]]
+                variants += [(c, None, p) for c in configs for p in partitions if p]
+            for cfg, splits, part in variants:
                 if time.monotonic() > deadline:
                     break
                 it = itertools.cycle(kvs)
 
-                def run(cfg=cfg, splits=splits, it=it, tables=tables, lens=lens, q=q, out=out):
-                    return attend(q, next(it), tables, lens, out, cfg, splits)
+                def run(cfg=cfg, splits=splits, part=part, it=it, tables=tables, lens=lens, q=q,
+                        out=out):  # fmt: skip
+                    return attend(q, next(it), tables, lens, out, cfg, splits, part)
 
-                row = {"batch": batch, "context": context, "kv": str(dtype).split(".")[-1],
+                row = {"batch": batch, "context": context, "lengths": args.lengths,
+                       "kv": str(dtype).split(".")[-1],
                        "config": None if cfg is None else [cfg.tile_n, cfg.num_warps,
                                                            cfg.num_stages, cfg.per_sm,
                                                            cfg.one_loop],
-                       "splits": splits}  # fmt: skip
+                       "splits": splits, "partition": part}  # fmt: skip
                 # named before it runs: a sticky CUDA error (run with CUDA_LAUNCH_BLOCKING=1)
                 # then points at the variant whose kernel raised it, not at the next one
-                log.info("run B=%d ctx=%d %s %s splits=%s", batch, context, row["kv"],
-                         row["config"], splits)  # fmt: skip
+                log.info("run B=%d ctx=%d %s %s splits=%s partition=%s", batch, context,
+                         row["kv"], row["config"], splits, part)  # fmt: skip
                 try:
                     # do_bench_cudagraph times on its own stream: the inputs must be written
                     torch.cuda.synchronize()
@@ -196,8 +233,8 @@ def main() -> int:
                 if bf16_us:
                     row["vs_bf16"] = bf16_us / us
                 rows.append(row)
-                log.info("B=%-4d ctx=%-4d %-9s %-24s splits=%-4s %8.1f us %5.1f%% of copy %s",
-                         batch, context, row["kv"], row["config"], splits, us,
+                log.info("B=%-4d ctx=%-4d %-9s %-24s splits=%-4s part=%-4s %8.1f us %5.1f%% of "
+                         "copy %s", batch, context, row["kv"], row["config"], splits, part, us,
                          100 * row["bw_frac"], f"x{row['vs_bf16']:.2f} bf16" if bf16_us else "")
             del kvs
     best = {}
@@ -206,8 +243,9 @@ def main() -> int:
         if r.get("kv") == "float8_e4m3fn" and "us" in r and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
     for key, r in best.items():
-        log.info("best fp8 B=%d ctx=%d: %s splits=%s %.1f us %.1f%% x%.2f bf16", *key, r["config"],
-                 r["splits"], r["us"], 100 * r["bw_frac"], r.get("vs_bf16", float("nan")))
+        log.info("best fp8 B=%d ctx=%d: %s splits=%s partition=%s %.1f us %.1f%% x%.2f bf16",
+                 *key, r["config"], r["splits"], r["partition"], r["us"], 100 * r["bw_frac"],
+                 r.get("vs_bf16", float("nan")))  # fmt: skip
     write_result(args, "decode_fp8_engine_shapes", "decode_fp8_engine_shapes.py",
                  copy_bw_TBps=copy_bw, rows=rows)
     return 0
