@@ -227,8 +227,8 @@ def main() -> int:
                     rows.append({**row, "error": repr(exc)[:300]})
                     log.info("B=%d ctx=%d %s: error %s", batch, context, row, repr(exc)[:200])
                     continue
-                if dtype == torch.bfloat16 and cfg is None:
-                    bf16_us = us
+                if dtype == torch.bfloat16 and cfg is None and splits is None and part is None:
+                    bf16_us = us  # the automatic bfloat16 row: what vs_bf16 compares with
                 row.update(us=us, bw_frac=nbytes / us / 1e6 / copy_bw)
                 if bf16_us:
                     row["vs_bf16"] = bf16_us / us
