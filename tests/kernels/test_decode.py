@@ -169,12 +169,13 @@ def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch
 
 @pytest.mark.parametrize("kv", ["16-bit", "fp8"])
 def test_decode_partitions_of_one_size(target, seed, kv, monkeypatch):
-    """``partition_size`` (and a config's ``partition``): every sequence in programs of at
-    most that many tokens, whatever the batch, under a CUDA graph's bound (4x the longest
-    context, so most of the grid's splits exit at once) and without one. Partitions that are
-    not a whole number of tiles round up; one longer than every context means no split. The
-    scratch memory is poisoned with NaN: the merge must read exactly the partitions that
-    wrote."""
+    """``partition_size`` (and a config's ``partition``): every sequence in partitions of at
+    most that many tokens, planned by ``decode_plan_kernel`` and taken in turn by fewer
+    persistent programs than there are partitions (``decode_partitions_kernel``), under a
+    CUDA graph's bound (4x the longest context) and without one. Partitions that are not a
+    whole number of tiles round up; one longer than every context leaves one partition per
+    sequence. The scratch memory is poisoned with NaN: the merge must read exactly the
+    partitions that wrote, and a padding row (length 0) has none."""
     if target.backend != "triton":
         pytest.skip("a Triton launch option")
     from pagedattn_kernels.attention import triton_launch
