@@ -112,7 +112,7 @@ def bound(context: int) -> int:
     return max(MAX_MODEL_LEN, context)
 
 
-def attend(q, kv, tables, lens, out, config=None, splits=None, partition=None):
+def attend(q, kv, tables, lens, out, config=None, splits=None):
     kc, vc = kv
     scales = {}
     if kc.dtype == FP8:
@@ -120,8 +120,7 @@ def attend(q, kv, tables, lens, out, config=None, splits=None, partition=None):
         scales = {"k_scale": one, "v_scale": one}
     return tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5,
                                             tables.shape[1] * BLOCK, out, num_splits=splits,
-                                            config=config, partition_size=partition,
-                                            **scales)  # fmt: skip
+                                            config=config, **scales)  # fmt: skip
 
 
 def check() -> int:
@@ -168,9 +167,8 @@ def main() -> int:
     ap.add_argument("--lengths", default="fixed", help="the batch's contexts: fixed (all the "
                     "shape's), spread (uniform over half to 1.5x it), or a ShareGPT workload "
                     "JSON (live requests' contexts; the shape's context unused)")
-    ap.add_argument("--partitions", default="", help="partition sizes (tokens per program, "
-                    "paged_decode_attention's partition_size) to try with every tile of both "
-                    "caches, e.g. 128,256,512")
+    ap.add_argument("--longest-first", action="store_true", help="also time each shape with "
+                    "its sequences in order of context length, longest first")
     run = start(ap, check, budget_s=150.0)
     if isinstance(run, int):
         return run
@@ -179,9 +177,13 @@ def main() -> int:
     shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",") if x] or SHAPES
     fp8_configs = parse_configs(args.configs) or CONFIGS
     bf16_configs = parse_configs(args.bf16_configs) or BF16_CONFIGS
-    partitions = [int(x) or None for x in args.partitions.split(",") if x]
-    for batch, context in shapes:
+    runs = [(b, c, False) for b, c in shapes]
+    if args.longest_first:
+        runs = [(b, c, order) for b, c in shapes for order in (False, True)]
+    for batch, context, longest_first in runs:
         host_lens = context_lengths(batch, context, args.lengths, seed=batch)
+        if longest_first:
+            host_lens.sort(reverse=True)
         if args.lengths not in ("fixed", "spread"):
             context = round(sum(host_lens) / batch)  # the rows' context: the mean
         lens = torch.tensor(host_lens, dtype=torch.int32, device="cuda")
@@ -194,31 +196,28 @@ def main() -> int:
             forced = ([] if args.splits == "none" else
                       [int(x) for x in args.splits.split(",") if x] or SPLITS[1:])
             forced = forced if batch <= SPLIT_MAX_BATCH else []  # many pairs: automatic
-            variants = [(None, None, None)] + [(None, s, None) for s in forced]
-            variants += [(None, None, p) for p in partitions if p]
+            variants = [(None, None)] + [(None, s) for s in forced]
             if not args.automatic_configs:
                 configs = bf16_configs if dtype == torch.bfloat16 else fp8_configs
-                variants += [(c, s, None) for c in configs for s in [None, *forced]]
-                variants += [(c, None, p) for c in configs for p in partitions if p]
-            for cfg, splits, part in variants:
+                variants += [(c, s) for c in configs for s in [None, *forced]]
+            for cfg, splits in variants:
                 if time.monotonic() > deadline:
                     break
                 it = itertools.cycle(kvs)
 
-                def run(cfg=cfg, splits=splits, part=part, it=it, tables=tables, lens=lens, q=q,
-                        out=out):  # fmt: skip
-                    return attend(q, next(it), tables, lens, out, cfg, splits, part)
+                def run(cfg=cfg, splits=splits, it=it, tables=tables, lens=lens, q=q, out=out):
+                    return attend(q, next(it), tables, lens, out, cfg, splits)
 
                 row = {"batch": batch, "context": context, "lengths": args.lengths,
                        "kv": str(dtype).split(".")[-1],
                        "config": None if cfg is None else [cfg.tile_n, cfg.num_warps,
                                                            cfg.num_stages, cfg.per_sm,
                                                            cfg.one_loop],
-                       "splits": splits, "partition": part}  # fmt: skip
+                       "splits": splits, "longest_first": longest_first}  # fmt: skip
                 # named before it runs: a sticky CUDA error (run with CUDA_LAUNCH_BLOCKING=1)
                 # then points at the variant whose kernel raised it, not at the next one
-                log.info("run B=%d ctx=%d %s %s splits=%s partition=%s", batch, context,
-                         row["kv"], row["config"], splits, part)  # fmt: skip
+                log.info("run B=%d ctx=%d %s %s splits=%s longest first=%s", batch, context,
+                         row["kv"], row["config"], splits, longest_first)  # fmt: skip
                 try:
                     # do_bench_cudagraph times on its own stream: the inputs must be written
                     torch.cuda.synchronize()
@@ -227,24 +226,25 @@ def main() -> int:
                     rows.append({**row, "error": repr(exc)[:300]})
                     log.info("B=%d ctx=%d %s: error %s", batch, context, row, repr(exc)[:200])
                     continue
-                if dtype == torch.bfloat16 and cfg is None and splits is None and part is None:
+                if dtype == torch.bfloat16 and cfg is None and splits is None:
                     bf16_us = us  # the automatic bfloat16 row: what vs_bf16 compares with
                 row.update(us=us, bw_frac=nbytes / us / 1e6 / copy_bw)
                 if bf16_us:
                     row["vs_bf16"] = bf16_us / us
                 rows.append(row)
-                log.info("B=%-4d ctx=%-4d %-9s %-24s splits=%-4s part=%-4s %8.1f us %5.1f%% of "
-                         "copy %s", batch, context, row["kv"], row["config"], splits, part, us,
+                log.info("B=%-4d ctx=%-4d %-9s %-24s splits=%-4s longest first=%-5s %8.1f us "
+                         "%5.1f%% of copy %s", batch, context, row["kv"], row["config"], splits,
+                         longest_first, us,
                          100 * row["bw_frac"], f"x{row['vs_bf16']:.2f} bf16" if bf16_us else "")
             del kvs
     best = {}
     for r in rows:
-        key = (r["batch"], r["context"])
+        key = (r["batch"], r["context"], r["longest_first"])
         if r.get("kv") == "float8_e4m3fn" and "us" in r and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
     for key, r in best.items():
-        log.info("best fp8 B=%d ctx=%d: %s splits=%s partition=%s %.1f us %.1f%% x%.2f bf16",
-                 *key, r["config"], r["splits"], r["partition"], r["us"], 100 * r["bw_frac"],
+        log.info("best fp8 B=%d ctx=%d longest first=%s: %s splits=%s %.1f us %.1f%% x%.2f bf16",
+                 *key, r["config"], r["splits"], r["us"], 100 * r["bw_frac"],
                  r.get("vs_bf16", float("nan")))  # fmt: skip
     write_result(args, "decode_fp8_engine_shapes", "decode_fp8_engine_shapes.py",
                  copy_bw_TBps=copy_bw, rows=rows)

@@ -38,10 +38,9 @@
 #     scripts/decode_fp8_engine_shapes.py --automatic-configs at small batches
 #     (SPLIT_SHAPES): decode attention on the bf16 and fp8 caches with the automatic split
 #     count and forced ones (SPLIT_SET, 2,4,8,16)  -> decode_splits.json
-#   bash scripts/gpu_fp8.sh partitions         # ~4 min, carrying .gpu_data
-#     decode attention over real ShareGPT contexts at 32-768 sequences, each sequence in
-#     partitions of 128-1,024 tokens against the automatic split, both caches
-#                                                  -> decode_partitions.json
+#   bash scripts/gpu_fp8.sh realcontexts       # ~1 min, carrying .gpu_data
+#     decode attention over real ShareGPT contexts at 32-768 sequences, in batch order and
+#     longest first, both caches                   -> decode_realcontexts.json
 #   bash scripts/gpu_fp8.sh bigshapes          # ~4 min
 #     scripts/decode_fp8_engine_shapes.py at the large batches of the run's decode bands
 #     (BIG_SHAPES, 192x700,384x600,768x450): every tile configuration on the fp8 cache
@@ -270,16 +269,14 @@ PY
       engine_shapes decode_splits --automatic-configs --splits "${SPLIT_SET:-2,4,8,16}" \
         --shapes "${SPLIT_SHAPES:-16x900,32x900,48x900,64x700,128x500}"
       ;;
-    partitions)
+    realcontexts)
       # decode attention over the contexts of real ShareGPT runs (live requests' lengths, from
-      # .gpu_data/sharegpt_1000.json): each sequence in partitions of one size, against the
-      # automatic split, on both caches, with the automatic tiles and PART_CONFIGS (fp8) /
-      # PART_BF16_CONFIGS
-      if [[ "$SMOKE" == 1 ]]; then echo "=== partitions: needs a GPU (skipped in a smoke run)"; continue; fi
-      echo "=== decode attention in partitions of one size, real ShareGPT contexts"
-      engine_shapes decode_partitions --shapes "${PART_SHAPES:-32x0,64x0,128x0,256x0,384x0,768x0}" \
-        --lengths .gpu_data/sharegpt_1000.json --splits none --partitions "${PARTITIONS:-128,256,512,1024}" \
-        --configs "${PART_CONFIGS:-32/1/3/8,64/2/3/4,128/4/3/2}" --bf16-configs "${PART_BF16_CONFIGS:-64/2/3/4}"
+      # .gpu_data/sharegpt_1000.json), in batch order and longest first, both caches, the
+      # automatic tiles and splits
+      if [[ "$SMOKE" == 1 ]]; then echo "=== realcontexts: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== decode attention over real ShareGPT contexts"
+      engine_shapes decode_realcontexts --shapes "${REAL_SHAPES:-32x0,64x0,128x0,256x0,384x0,768x0}" \
+        --lengths .gpu_data/sharegpt_1000.json --longest-first --automatic-configs --splits none
       ;;
     bigshapes)
       if [[ "$SMOKE" == 1 ]]; then echo "=== bigshapes: needs a GPU (skipped in a smoke run)"; continue; fi

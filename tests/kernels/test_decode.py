@@ -167,49 +167,6 @@ def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch
         _check(out, ref, F32, seed, f"hint {hint}, num_splits={splits}")
 
 
-@pytest.mark.parametrize("kv", ["16-bit", "fp8"])
-def test_decode_partitions_of_one_size(target, seed, kv, monkeypatch):
-    """``partition_size`` (and a config's ``partition``): every sequence in partitions of at
-    most that many tokens, planned by ``decode_plan_kernel`` and taken in turn by fewer
-    persistent programs than there are partitions (``decode_partitions_kernel``), under a
-    CUDA graph's bound (4x the longest context) and without one. Partitions that are not a
-    whole number of tiles round up; one longer than every context leaves one partition per
-    sequence. The scratch memory is poisoned with NaN: the merge must read exactly the
-    partitions that wrote, and a padding row (length 0) has none."""
-    if target.backend != "triton":
-        pytest.skip("a Triton launch option")
-    from pagedattn_kernels.attention import triton_launch
-
-    real = triton_launch._scratch
-    monkeypatch.setattr(triton_launch, "_scratch",
-                        lambda n, device: real(n, device).fill_(float("nan")))  # fmt: skip
-    gen = target.generator(seed)
-    lens = [520, 130, 1000, 0, 17, 300, 64, 65] + ([4099, 9000] if target.full else [])
-    dtype = BF16 if kv == "fp8" else F16
-    batch = random_paged_batch(
-        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-        dtype=dtype, device=target.device,
-    )  # fmt: skip
-    scales = {}
-    if kv == "fp8":
-        batch.key_cache = (4 * batch.key_cache.float()).to(torch.float8_e4m3fn)
-        batch.value_cache = (4 * batch.value_cache.float()).to(torch.float8_e4m3fn)
-        scales = {"k_scale": torch.tensor([0.25], device=target.device),
-                  "v_scale": torch.tensor([0.5], device=target.device)}  # fmt: skip
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
-    ref = reference.paged_decode_attention(*args, **scales)
-    for size, hint in ((64, None), (100, 4 * max(lens)), (256, 4 * max(lens)), (4 * max(lens), None)):
-        out = pk.paged_decode_attention(*args, max_seq_len=hint, partition_size=size,
-                                        out=poisoned_like(batch.query), **scales)  # fmt: skip
-        _check(out, ref, dtype, seed, f"{kv}: partition_size={size} max_seq_len={hint}")
-        assert bool((out[3] == 0).all()), "a zero-length sequence must give zeros"
-    cfg = triton_launch.DecodeConfig(tile_n=32, num_warps=4, num_stages=1, partition=96)
-    out = triton_launch.paged_decode_attention(
-        *args, 64**-0.5, 4 * max(lens), poisoned_like(batch.query), config=cfg, **scales
-    )
-    _check(out, ref, dtype, seed, f"{kv}: DecodeConfig(partition=96)")
-
-
 @pytest.mark.parametrize("option", ["early_v", "one_loop"])
 @pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3)], ids=attention_case_id)
 def test_decode_with_tile_loop_options(target, seed, case, option):

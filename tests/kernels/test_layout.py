@@ -102,13 +102,6 @@ NOT_SPECIALIZED = {
         "v_scale_ptr",
     },
     ("attention", "decode_reduce_kernel"): {"partition_size", "num_splits", "seq_lens_ptr"},
-    ("attention", "decode_plan_kernel"): {
-        "num_seqs", "partition_size", "max_parts", "plan_ptr", "seq_lens_ptr",
-    },
-    ("attention", "decode_partitions_kernel"): {
-        "partition_size", "plan_ptr", "block_tables_ptr", "seq_lens_ptr", "stride_bt_seq",
-        "k_scale_ptr", "v_scale_ptr",
-    },
     ("attention", "prefill_kernel"): {
         "num_seqs", "cu_q_ptr", "block_tables_ptr", "seq_lens_ptr", "stride_bt_seq",
         "k_scale_ptr", "v_scale_ptr",

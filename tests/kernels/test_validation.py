@@ -78,14 +78,6 @@ def test_attention_rejects():
         pk.paged_attention(*args, backend="cuda")
     with pytest.raises(ValueError, match="num_splits"):
         pk.paged_decode_attention(b.query[:2], *args[1:5], num_splits=0)
-    dec_out = torch.full_like(b.query[:2], 7.0)
-    for bad, match in (({"partition_size": 0}, "partition_size must be a positive int"),
-                       ({"partition_size": 64.0}, "partition_size must be a positive int"),
-                       ({"partition_size": 64, "num_splits": 2}, "not both")):  # fmt: skip
-        assert match in _unchanged(
-            lambda bad=bad: pk.paged_decode_attention(b.query[:2], *args[1:5], out=dec_out, **bad),
-            dec_out,
-        )
     with pytest.raises(ValueError, match="rows but there are 2 sequences"):
         pk.paged_decode_attention(b.query, *args[1:5])
 

@@ -191,9 +191,8 @@ def main() -> None:
     # Each op folder's launchers find their kernels through `kernels_for`: hand them proxies
     # that compile and never launch.
     attention_proxy = _proxy(
-        attention_kernels, ("decode_kernel", "decode_reduce_kernel", "decode_plan_kernel",
-                            "decode_partitions_kernel", "prefill_kernel")
-    )  # fmt: skip
+        attention_kernels, ("decode_kernel", "decode_reduce_kernel", "prefill_kernel")
+    )
     attention.kernels_for = lambda device, module: attention_proxy
     cache_proxy = _proxy(cache_kernels, ("reshape_and_cache_kernel", "copy_blocks_kernel"))
     cache.kernels_for = lambda device, module: cache_proxy
@@ -242,8 +241,6 @@ def main() -> None:
             attention.paged_decode_attention(
                 qd, kc, kc, bt, lens, 0.1, 512, torch.empty_like(qd), num_splits=splits
             )
-        attention.paged_decode_attention(qd, kc, kc, bt, lens, 0.1, 512, torch.empty_like(qd),
-                                         partition_size=256)  # fmt: skip
         cache.reshape_and_cache(
             q[:, :hkv].contiguous(), q[:, :hkv].contiguous(), kc, kc,
             torch.zeros(8, dtype=torch.int64),
@@ -282,11 +279,6 @@ def _fp8_variants() -> None:
             attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
                                              num_splits=1, config=cfg, k_scale=unit,
                                              v_scale=unit)  # fmt: skip
-        # in partitions of one size, by persistent programs (the tiles of many sequences)
-        for cfg in (attention.FP8_ONE_WARP, attention.FP8_NARROW):
-            attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
-                                             config=cfg, k_scale=unit, v_scale=unit,
-                                             partition_size=256)  # fmt: skip
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),
                                   k_scale=unit, v_scale=unit)  # fmt: skip

@@ -99,13 +99,11 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     backend: str | None = None,
     num_splits: int | None = None,
-    partition_size: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``query [num_seqs, num_heads, head_dim]``) attending its
     whole context of ``seq_lens[i]`` tokens. On the GPU, long contexts are split over several
-    programs (flash-decoding) and merged; ``num_splits`` (programs per sequence) or
-    ``partition_size`` (tokens per program, rounded up to the kernel's tile) overrides the
-    automatic choice (Triton backend only). A sequence of length 0 (batch padding) gets zeros.
+    programs (flash-decoding) and merged; ``num_splits`` overrides the automatic choice
+    (Triton backend only). A sequence of length 0 (batch padding) gets zeros.
     fp8 caches: ``k_scale`` / ``v_scale`` as in :func:`paged_attention`.
     """
     op = "paged_decode_attention"
@@ -116,11 +114,6 @@ def paged_decode_attention(
     check_kv_scales(op, key_cache, k_scale, v_scale)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise fail(op, f"num_splits must be a positive int, got {num_splits!r}")
-    if partition_size is not None:
-        if not isinstance(partition_size, int) or partition_size < 1:
-            raise fail(op, f"partition_size must be a positive int, got {partition_size!r}")
-        if num_splits is not None:
-            raise fail(op, "give num_splits or partition_size, not both")
     scale = float(scale) if scale is not None else query.shape[2] ** -0.5
     if out is None:
         out = torch.empty_like(query)
@@ -132,5 +125,5 @@ def paged_decode_attention(
     query = query if query.stride(-1) == 1 else query.contiguous()
     return triton_launch.paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
-        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
+        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -348,7 +348,9 @@ def decode_kernel(
     ONE_LOOP: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    """Flash-decoding, phase one. Grid: (num_seqs, num_kv_heads, num_splits).
+    """Flash-decoding, phase one. Grid: (num_kv_heads, num_seqs, num_splits): the KV heads
+    vary fastest, so the GPU starts all programs of a sequence together, in batch order (see
+    ``triton_launch.paged_decode_attention`` for why).
 
     Program (seq, kv head, split) attends the group's query heads (rows of a BLOCK_G x D tile)
     over context positions [split * P, min(+P, seq_len)), P = ``_split_length(seq_len,
@@ -367,8 +369,8 @@ def decode_kernel(
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT:
@@ -381,72 +383,6 @@ def decode_kernel(
         start = 0
         end = seq_len
 
-    _decode_range(
-        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        k_scale_ptr, v_scale_ptr, scale_log2, seq, kv_head, split, start, end,
-        stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
-        stride_kc_block, stride_kc_tok, stride_kc_head,
-        stride_vc_block, stride_vc_tok, stride_vc_head, stride_bt_seq,
-        stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
-        QUERIES_PER_KV, BLOCK_G, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SPLIT, IEEE, UPCAST,
-        KV_FP8, OFFS64, EARLY_V, F16_PRODUCTS, PACKED, ONE_LOOP,
-    )  # fmt: skip
-
-
-@triton.jit
-def _decode_range(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    scale_log2,
-    seq,
-    kv_head,
-    split,
-    start,
-    end,
-    stride_q_seq,
-    stride_q_head,
-    stride_o_seq,
-    stride_o_head,
-    stride_kc_block,
-    stride_kc_tok,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_tok,
-    stride_vc_head,
-    stride_bt_seq,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    QUERIES_PER_KV: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    OFFS64: tl.constexpr,
-    EARLY_V: tl.constexpr,
-    F16_PRODUCTS: tl.constexpr,
-    PACKED: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
-):
-    """One program's work in flash-decoding: the group of query heads of (``seq``,
-    ``kv_head``) attends context positions [start, end); with SPLIT the normalised partial
-    output and its log2-sum-exp go to partition ``split`` of the scratch buffers, else the
-    output goes to ``out``. ``decode_kernel`` calls it once per program,
-    ``decode_partitions_kernel`` once per partition a program takes."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM_PAD)
     heads = kv_head * QUERIES_PER_KV + g
@@ -525,118 +461,6 @@ def _decode_range(
         tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-# the plan's entries: sequence index << PLAN_SHIFT | partition index
-PLAN_SHIFT = tl.constexpr(16)
-PLAN_MASK = tl.constexpr(0xFFFF)
-
-
-@triton.jit(do_not_specialize=["num_seqs", "partition_size", "max_parts", "plan_ptr", "seq_lens_ptr"])
-def decode_plan_kernel(
-    plan_ptr,
-    seq_lens_ptr,
-    num_seqs,
-    partition_size,
-    max_parts,
-    SEQS_PAD: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """Flash-decoding in partitions of one size, step zero: the work list. Grid: (1,).
-
-    Sequence s of ``seq_lens[s]`` tokens has ceil(seq_lens[s] / partition_size) partitions
-    (none for a padding row of length 0); they are numbered in sequence order, and entry
-    1 + w of ``plan`` says which (sequence, partition) the w-th is, packed as
-    ``seq << PLAN_SHIFT | partition``. ``plan[0]`` is their number. The prefix sum that
-    numbers them is an ``associative_scan`` over the batch."""
-    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
-        gdc_wait()
-        gdc_launch_dependents()
-    s = tl.arange(0, SEQS_PAD)
-    lens = tl.load(seq_lens_ptr + s, mask=s < num_seqs, other=0)
-    parts = tl.minimum((lens + partition_size - 1) // partition_size, max_parts)
-    first = tl.associative_scan(parts, 0, tl.standard._sum_combine) - parts
-    tl.store(plan_ptr, tl.reduce(parts, 0, tl.standard._sum_combine))
-    for j in range(0, max_parts):  # max_parts: the most any sequence can have
-        tl.store(plan_ptr + 1 + first + j, (s << PLAN_SHIFT) | j, mask=j < parts)
-
-
-@triton.jit(do_not_specialize=["partition_size", "plan_ptr", *_BATCH_ARGS])
-def decode_partitions_kernel(
-    plan_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    scale_log2,
-    partition_size,
-    stride_q_seq,
-    stride_q_head,
-    stride_kc_block,
-    stride_kc_tok,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_tok,
-    stride_vc_head,
-    stride_bt_seq,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    NUM_KV_HEADS: tl.constexpr,
-    QUERIES_PER_KV: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    OFFS64: tl.constexpr,
-    EARLY_V: tl.constexpr,
-    F16_PRODUCTS: tl.constexpr,
-    PACKED: tl.constexpr,
-    ONE_LOOP: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-):
-    """Flash-decoding in partitions of one size, step one. Grid: (programs,), about as many
-    as fit on the GPU at once: each program takes the plan's (partition, KV head) pairs
-    ``pid``, ``pid + programs``, ... in turn (``decode_plan_kernel`` numbered the
-    partitions) and writes each one's partial output for ``decode_reduce_kernel``.
-
-    Why persistent programs: every partition is at most ``partition_size`` tokens, so the
-    work evens out over the programs whatever the mix of context lengths, and no program is
-    launched only to find it has nothing to do (a grid sized for the longest possible
-    context launched them by the ten thousand)."""
-    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
-        gdc_wait()
-        gdc_launch_dependents()
-    work = tl.load(plan_ptr) * NUM_KV_HEADS
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
-        code = tl.load(plan_ptr + 1 + item // NUM_KV_HEADS)
-        kv_head = item % NUM_KV_HEADS
-        seq = code >> PLAN_SHIFT
-        split = code & PLAN_MASK
-        start = split * partition_size
-        end = tl.minimum(start + partition_size, tl.load(seq_lens_ptr + seq))
-        _decode_range(
-            part_out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr, k_scale_ptr, v_scale_ptr, scale_log2, seq, kv_head, split,
-            start, end,
-            stride_q_seq, stride_q_head, 0, 0,
-            stride_kc_block, stride_kc_tok, stride_kc_head,
-            stride_vc_block, stride_vc_tok, stride_vc_head, stride_bt_seq,
-            stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
-            QUERIES_PER_KV, BLOCK_G, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, IEEE,
-            UPCAST, KV_FP8, OFFS64, EARLY_V, F16_PRODUCTS, PACKED, ONE_LOOP,
-        )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["partition_size", "num_splits", "seq_lens_ptr"])
 def decode_reduce_kernel(
     out_ptr,
@@ -645,7 +469,6 @@ def decode_reduce_kernel(
     seq_lens_ptr,
     partition_size,
     num_splits,
-    num_heads,
     stride_o_seq,
     stride_o_head,
     stride_po_seq,
@@ -657,21 +480,19 @@ def decode_reduce_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
-    """Flash-decoding, phase two. Grid: (num_seqs, ceil(num_heads / HEADS_PER_PROGRAM)).
+    """Flash-decoding, phase two. Grid: (num_seqs, num_heads).
 
     Merges the partial outputs of the splits that hold keys (ceil(seq_len / P) of them, P as
     ``decode_kernel`` computed it from ``partition_size`` and its TILE_N), weighting each by
-    exp2(lse - max lse). A program merges HEADS_PER_PROGRAM heads one after the other: with
-    hundreds of sequences, a program per head would be tens of thousands of programs, each
-    launched for a few hundred bytes.
+    exp2(lse - max lse).
     """
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     part = _split_length(seq_len, num_splits, partition_size, TILE_N)
     num_valid = tl.minimum((seq_len + part - 1) // part, num_splits)
@@ -679,32 +500,29 @@ def decode_reduce_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = s < num_valid
     d_mask = d < HEAD_DIM
-    for i in tl.static_range(HEADS_PER_PROGRAM):
-        head = tl.program_id(1).to(tl.int64) * HEADS_PER_PROGRAM + i
-        if head < num_heads:
-            lse = tl.load(
-                part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + s,
-                mask=s_mask,
-                other=float("-inf"),
-            )
-            lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
-            lse_max = tl.where(num_valid > 0, lse_max, 0.0)
-            w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
-            denom = tl.reduce(w, 0, tl.standard._sum_combine)
-            parts = tl.load(
-                part_out_ptr
-                + seq * stride_po_seq
-                + head * stride_po_head
-                + s[:, None] * stride_po_split
-                + d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            result = tl.reduce(parts * w[:, None], 0, tl.standard._sum_combine) / tl.where(
-                denom > 0.0, denom, 1.0
-            )
-            o = out_ptr + seq * stride_o_seq + head * stride_o_head + d
-            tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
+    lse = tl.load(
+        part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + s,
+        mask=s_mask,
+        other=float("-inf"),
+    )
+    lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
+    lse_max = tl.where(num_valid > 0, lse_max, 0.0)
+    w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
+    denom = tl.reduce(w, 0, tl.standard._sum_combine)
+    parts = tl.load(
+        part_out_ptr
+        + seq * stride_po_seq
+        + head * stride_po_head
+        + s[:, None] * stride_po_split
+        + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    result = tl.reduce(parts * w[:, None], 0, tl.standard._sum_combine) / tl.where(
+        denom > 0.0, denom, 1.0
+    )
+    o = out_ptr + seq * stride_o_seq + head * stride_o_head + d
+    tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "cu_q_ptr", *_BATCH_ARGS])

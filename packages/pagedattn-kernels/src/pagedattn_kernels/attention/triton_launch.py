@@ -50,9 +50,7 @@ class DecodeConfig:
     words are loaded into registers, probably outside the compiler's software pipeline.
     ``one_loop``: the ragged last tile inside the pipelined loop, every tile masked
     (``decode_kernel``'s ONE_LOOP), rather than unmasked whole tiles and the ragged one after
-    the loop. ``partition``: split every sequence into partitions of this many tokens (a
-    multiple of ``tile_n``), one program each, whatever the batch (``paged_decode_attention``'s
-    ``partition_size`` says why); 0: the split count of ``choose_num_splits``."""
+    the loop."""
 
     tile_n: int
     num_warps: int
@@ -62,7 +60,6 @@ class DecodeConfig:
     f16_products: bool = True
     packed_loads: bool = False
     one_loop: bool = False
-    partition: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,21 +248,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    partition_size: int | None = None,
 ) -> torch.Tensor:
-    """``num_splits``: programs per (sequence, KV head), each a tile-aligned share of its own
-    sequence (None: ``choose_num_splits``, or the config's ``partition``).
-    ``partition_size``: instead, programs of at most this many tokens (rounded up to whole
-    tiles), as many as the longest context needs (vLLM's PagedAttention v2 PARTITION_SIZE).
-
-    Why partitions of one size: a decode batch mixes contexts of tens and thousands of
-    tokens, and without a split each (sequence, KV head) is one program whose time grows with
-    its context. The GPU starts programs in grid order as slots free up, so a few long ones
-    started late run on alone at the end: with real ShareGPT contexts a batch of 384 would
-    keep about half of the GPU's program slots busy on average (a list-scheduling
-    simulation). With partitions, no program reads more than ``partition_size`` tokens and
-    the waves even out, for the price of the partial outputs (4% of the bytes of a
-    256-token fp8 partition) and the merge."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
@@ -281,19 +264,6 @@ def paged_decode_attention(
     # The smallest share of a split sequence (the kernel's partition_size): MIN_PARTITION for
     # the automatic split count, one tile when the caller asks for a count (tests split short
     # contexts on purpose). Unused without a split.
-    upcast = _upcast(kernels.decode_kernel, query.dtype)
-    packed = 0
-    if cfg.packed_loads and fp8 and _word_aligned(key_cache) and _word_aligned(value_cache):
-        packed = 1 if is_interpreted(kernels.decode_kernel) else 2
-    if num_splits is None and partition_size is None and cfg.partition:
-        partition_size = cfg.partition
-    if num_splits is None and partition_size:
-        size = -(-partition_size // cfg.tile_n) * cfg.tile_n
-        if num_seqs < 1 << 15 and -(-bound // size) < 1 << 16:  # the plan's packing
-            return _decode_in_partitions(
-                kernels, query, key_cache, value_cache, block_tables, seq_lens, scale, bound,
-                out, cfg, size, k_scale, v_scale, upcast, packed,
-            )  # fmt: skip
     min_partition = cfg.tile_n
     if num_splits is None:
         num_splits = choose_num_splits(
@@ -301,6 +271,10 @@ def paged_decode_attention(
         )
         min_partition = -(-MIN_PARTITION // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
+    upcast = _upcast(kernels.decode_kernel, query.dtype)
+    packed = 0
+    if cfg.packed_loads and fp8 and _word_aligned(key_cache) and _word_aligned(value_cache):
+        packed = 1 if is_interpreted(kernels.decode_kernel) else 2
     split = num_splits > 1
     if split:  # one allocation for both partial buffers (host time matters at small sizes)
         rows = num_seqs * num_heads * num_splits
@@ -310,7 +284,7 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
     pdl = use_pdl(query.device)
-    kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    kernels.decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
         scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         scale * 1.4426950408889634, min_partition,
@@ -329,7 +303,7 @@ def paged_decode_attention(
     )  # fmt: skip
     if split:
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, min_partition, num_splits, num_heads,
+            out, part_out, part_lse, seq_lens, min_partition, num_splits,
             out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
@@ -337,66 +311,6 @@ def paged_decode_attention(
             SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, PDL=pdl,
             launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
-    return out
-
-
-#: heads merged by one program of ``decode_reduce_kernel`` after a decode in partitions
-MERGE_HEADS_PER_PROGRAM = 8
-
-
-def _decode_in_partitions(
-    kernels, query, key_cache, value_cache, block_tables, seq_lens, scale, bound, out, cfg,
-    size, k_scale, v_scale, upcast, packed,
-) -> torch.Tensor:  # fmt: skip
-    """Flash-decoding in partitions of ``size`` tokens (``paged_decode_attention``'s
-    ``partition_size``): plan (``decode_plan_kernel`` numbers every sequence's partitions),
-    attend (``decode_partitions_kernel``: one wave of persistent programs takes them in
-    turn), merge (``decode_reduce_kernel``, which finds each sequence's partition count from
-    its length as the plan did)."""
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    qpk = num_heads // num_kv_heads
-    max_parts = -(-bound // size)
-    rows = num_seqs * num_heads * max_parts
-    # one allocation: partial outputs, their log-sum-exps, then the plan (int32 words)
-    work = _scratch(rows * (head_dim + 1) + 1 + num_seqs * max_parts, query.device)
-    part_out = work[: rows * head_dim].view(num_seqs, num_heads, max_parts, head_dim)
-    part_lse = work[rows * head_dim : rows * (head_dim + 1)].view(num_seqs, num_heads, max_parts)
-    plan = work[rows * (head_dim + 1) :].view(torch.int32)
-    pdl = use_pdl(query.device)
-    kernels.decode_plan_kernel[(1,)](
-        plan, seq_lens, num_seqs, size, max_parts, SEQS_PAD=max(2, next_power_of_2(num_seqs)),
-        PDL=pdl, launch_pdl=pdl, num_warps=4,
-    )  # fmt: skip
-    programs = sm_count(query.device) * cfg.per_sm
-    fp8 = key_cache.dtype == FP8_DTYPE
-    kernels.decode_partitions_kernel[(programs,)](
-        plan, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
-        scale * 1.4426950408889634, size,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        NUM_KV_HEADS=num_kv_heads, QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
-        TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
-        OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
-        F16_PRODUCTS=cfg.f16_products, PACKED=packed, ONE_LOOP=cfg.one_loop,
-        PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    heads_per_program = min(MERGE_HEADS_PER_PROGRAM, num_heads)
-    kernels.decode_reduce_kernel[(num_seqs, -(-num_heads // heads_per_program))](
-        out, part_out, part_lse, seq_lens, size, max_parts, num_heads,
-        out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
-        SPLITS_PAD=max(2, next_power_of_2(max_parts)), TILE_N=cfg.tile_n,
-        HEADS_PER_PROGRAM=heads_per_program, PDL=pdl, launch_pdl=pdl, num_warps=4,
-    )  # fmt: skip
     return out
 
 
