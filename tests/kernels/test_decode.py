@@ -167,6 +167,38 @@ def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch
         _check(out, ref, F32, seed, f"hint {hint}, num_splits={splits}")
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+def test_decode_in_any_sequence_order(target, seed, splits):
+    """``seq_order`` only schedules: longest context first, reversed or shuffled, the output
+    is bit-identical to batch order, split or not, a padding row (length 0) included, with the
+    16-bit and the fp8 cache."""
+    gen = target.generator(seed)
+    lens = [520, 0, 17, 1000, 130, 64, 1, 300] + ([4099, 9000] if target.full else [])
+    batch = random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=BF16, device=target.device,
+    )  # fmt: skip
+    fp8 = {"k_scale": torch.tensor([0.25], device=target.device),
+           "v_scale": torch.tensor([0.5], device=target.device)}  # fmt: skip
+    caches = [((batch.key_cache, batch.value_cache), {}),
+              (((4 * batch.key_cache.float()).to(torch.float8_e4m3fn),
+                (4 * batch.value_cache.float()).to(torch.float8_e4m3fn)), fp8)]  # fmt: skip
+    longest = sorted(range(len(lens)), key=lambda i: -lens[i])
+    shuffled = torch.randperm(len(lens), generator=gen, device=gen.device).tolist()
+    for (kc, vc), scales in caches:
+        args = (batch.query, kc, vc, batch.block_tables, batch.seq_lens)
+        ref = reference.paged_decode_attention(*args, **scales)
+        plain = pk.paged_decode_attention(*args, num_splits=splits, backend=target.backend,
+                                          **scales)  # fmt: skip
+        _check(plain, ref, BF16, seed, f"{kc.dtype}, batch order")
+        for order in (longest, longest[::-1], shuffled):
+            out = pk.paged_decode_attention(
+                *args, num_splits=splits, backend=target.backend, out=poisoned_like(batch.query),
+                seq_order=torch.tensor(order, dtype=torch.int32, device=target.device), **scales,
+            )  # fmt: skip
+            assert torch.equal(out, plain), f"{kc.dtype}, order {order} (seed={seed})"
+
+
 @pytest.mark.parametrize("option", ["early_v", "one_loop"])
 @pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3)], ids=attention_case_id)
 def test_decode_with_tile_loop_options(target, seed, case, option):

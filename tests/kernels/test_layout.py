@@ -98,8 +98,8 @@ def test_every_folder_holds_the_same_files(folder):
 # of them compiles a new variant mid-serving (tests/kernels/test_specialization.py, on a GPU).
 NOT_SPECIALIZED = {
     ("attention", "decode_kernel"): {
-        "partition_size", "block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr",
-        "v_scale_ptr",
+        "partition_size", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "stride_bt_seq",
+        "k_scale_ptr", "v_scale_ptr",
     },
     ("attention", "decode_reduce_kernel"): {"partition_size", "num_splits", "seq_lens_ptr"},
     ("attention", "prefill_kernel"): {

@@ -78,6 +78,15 @@ def test_attention_rejects():
         pk.paged_attention(*args, backend="cuda")
     with pytest.raises(ValueError, match="num_splits"):
         pk.paged_decode_attention(b.query[:2], *args[1:5], num_splits=0)
+    dec_out = torch.full_like(b.query[:2], 7.0)
+    for order, match in ((torch.tensor([0, 0], dtype=torch.int32), "permutation"),
+                         (torch.tensor([1, 2], dtype=torch.int32), "permutation"),
+                         (torch.tensor([1, 0]), "1-D int32"),
+                         (torch.tensor([0], dtype=torch.int32), "the 2 rows")):  # fmt: skip
+        def call(order=order):
+            return pk.paged_decode_attention(b.query[:2], *args[1:5], out=dec_out, seq_order=order)
+
+        assert match in _unchanged(call, dec_out)
     with pytest.raises(ValueError, match="rows but there are 2 sequences"):
         pk.paged_decode_attention(b.query, *args[1:5])
 

@@ -99,11 +99,16 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     backend: str | None = None,
     num_splits: int | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``query [num_seqs, num_heads, head_dim]``) attending its
     whole context of ``seq_lens[i]`` tokens. On the GPU, long contexts are split over several
     programs (flash-decoding) and merged; ``num_splits`` overrides the automatic choice
     (Triton backend only). A sequence of length 0 (batch padding) gets zeros.
+    ``seq_order`` (int32 ``[num_seqs]``, a permutation of the rows, e.g. longest context
+    first): the order in which the Triton kernel starts the sequences' programs, a schedule
+    that leaves the output unchanged (``triton_launch.paged_decode_attention`` says why);
+    checked to be a permutation on the CPU only (on a GPU that would wait for the device).
     fp8 caches: ``k_scale`` / ``v_scale`` as in :func:`paged_attention`.
     """
     op = "paged_decode_attention"
@@ -114,6 +119,8 @@ def paged_decode_attention(
     check_kv_scales(op, key_cache, k_scale, v_scale)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise fail(op, f"num_splits must be a positive int, got {num_splits!r}")
+    if seq_order is not None:
+        _check_order(op, seq_order, query)
     scale = float(scale) if scale is not None else query.shape[2] ** -0.5
     if out is None:
         out = torch.empty_like(query)
@@ -125,5 +132,20 @@ def paged_decode_attention(
     query = query if query.stride(-1) == 1 else query.contiguous()
     return triton_launch.paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
-        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
+        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, seq_order=seq_order,
     )  # fmt: skip
+
+
+def _check_order(op: str, order: torch.Tensor, query: torch.Tensor) -> None:
+    num_seqs = query.shape[0]
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int32 or order.dim() != 1:
+        raise fail(op, "seq_order must be a 1-D int32 tensor")
+    if order.shape[0] != num_seqs or order.device != query.device:
+        raise fail(op, f"seq_order must hold the {num_seqs} rows on {query.device}, got "
+                       f"{order.shape[0]} on {order.device}")  # fmt: skip
+    if not order.is_contiguous():
+        raise fail(op, "seq_order must be contiguous")
+    if order.device.type == "cpu" and not torch.equal(
+        torch.sort(order).values, torch.arange(num_seqs, dtype=torch.int32)
+    ):
+        raise fail(op, "seq_order must be a permutation of the rows 0 .. num_seqs - 1")

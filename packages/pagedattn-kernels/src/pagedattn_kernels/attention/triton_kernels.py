@@ -301,7 +301,7 @@ def _split_length(seq_len, num_splits, min_partition, TILE_N: tl.constexpr):
 _BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr", "v_scale_ptr"]
 
 
-@triton.jit(do_not_specialize=["partition_size", *_BATCH_ARGS])
+@triton.jit(do_not_specialize=["partition_size", "order_ptr", *_BATCH_ARGS])
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -311,6 +311,7 @@ def decode_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    order_ptr,
     k_scale_ptr,
     v_scale_ptr,
     scale_log2,
@@ -346,11 +347,13 @@ def decode_kernel(
     F16_PRODUCTS: tl.constexpr,
     PACKED: tl.constexpr,
     ONE_LOOP: tl.constexpr = False,
+    ORDERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Flash-decoding, phase one. Grid: (num_kv_heads, num_seqs, num_splits): the KV heads
-    vary fastest, so the GPU starts all programs of a sequence together, in batch order (see
-    ``triton_launch.paged_decode_attention`` for why).
+    vary fastest, so the GPU starts all programs of a sequence together, sequence after
+    sequence: in batch order, or with ORDERED in the order ``order_ptr`` lists the rows (see
+    ``triton_launch.paged_decode_attention``'s ``seq_order`` for why).
 
     Program (seq, kv head, split) attends the group's query heads (rows of a BLOCK_G x D tile)
     over context positions [split * P, min(+P, seq_len)), P = ``_split_length(seq_len,
@@ -371,6 +374,8 @@ def decode_kernel(
         gdc_launch_dependents()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT:

@@ -248,7 +248,21 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``seq_order`` (int32 [num_seqs], a permutation of the rows): the order in which the
+    GPU starts the sequences' programs; the output is the same in any order.
+
+    Why an order: the GPU starts a kernel's programs in grid order as program slots free up,
+    and the grid puts a sequence's KV heads next to each other (all of its programs start
+    together), sequence after sequence. A decode batch mixes contexts of tens and of
+    thousands of tokens, and without a split a sequence's program runs for as long as its
+    context: a long one that comes late in the batch keeps a few slots busy after every
+    other program has finished. Longest first (list scheduling's classic rule), the long
+    programs start at once and the short ones fill in around them. On an H200 with the
+    contexts of a real ShareGPT run (``scripts/decode_fp8_engine_shapes.py --lengths``),
+    batch order took 169 us at 384 sequences on an fp8 cache where the same bytes in equal
+    contexts took 95."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
@@ -286,6 +300,7 @@ def paged_decode_attention(
     pdl = use_pdl(query.device)
     kernels.decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
+        seq_lens if seq_order is None else seq_order,
         scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         scale * 1.4426950408889634, min_partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -299,7 +314,8 @@ def paged_decode_attention(
         SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
         OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
         F16_PRODUCTS=cfg.f16_products, PACKED=packed, ONE_LOOP=cfg.one_loop,
-        PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ORDERED=seq_order is not None, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
