@@ -76,7 +76,14 @@ def _both_paths(r: ModelRunner, seqs, sample) -> tuple[torch.Tensor, torch.Tenso
     return eager, r.run(_batch(seqs, sample))
 
 
-def test_graph_inputs_give_the_eager_logits(runner: ModelRunner) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graph_inputs_give_the_eager_logits(runner: ModelRunner, backend, monkeypatch) -> None:
+    """Also the attention schedule the graphs stage (``decode_order``: the real rows longest
+    context first, then the padding rows): with the Triton kernel (interpreted) the graph
+    runs its programs in that order, the eager path (no order on the CPU) in batch order."""
+    monkeypatch.setenv("PAGEDATTN_BACKEND", backend)
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     rng = random.Random(0)
     bs = runner.block_size
     blocks = list(range(runner.num_gpu_blocks))
@@ -93,6 +100,9 @@ def test_graph_inputs_give_the_eager_logits(runner: ModelRunner) -> None:
     assert runner.graphs.size_for(len(step)) == 16
     eager, graph = _both_paths(runner, step, list(range(len(step))))
     torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
+    lengths = [start + 1 for _, start, _ in step]
+    longest = sorted(range(len(step)), key=lambda i: (-lengths[i], i))
+    assert runner.graphs.order[:16].tolist() == longest + list(range(len(step), 16))
 
     # A smaller batch next: stale rows and columns in the buffers must not matter.
     runner.run(_batch(step, []))
@@ -100,6 +110,7 @@ def test_graph_inputs_give_the_eager_logits(runner: ModelRunner) -> None:
     assert runner.graphs.size_for(len(step2)) == 4
     eager, graph = _both_paths(runner, step2, [0, 2])
     torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
+    assert sorted(runner.graphs.order[:4].tolist()) == [0, 1, 2, 3]
 
 
 def test_slot_mapping_is_kvblocks_rule() -> None:

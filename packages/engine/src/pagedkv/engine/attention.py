@@ -70,6 +70,10 @@ class AttentionMetadata:
     # to the prefill kernel, whose query tiles would be mostly empty for single tokens.
     num_decode_seqs: int = 0
     prefill_cu_query_lens: torch.Tensor | None = None
+    # Decode-only steps on a GPU: the rows in the order their attention programs should start,
+    # longest context first (`worker.inputs.longest_first`; the kernel's `seq_order`). None:
+    # batch order.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -153,6 +157,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 max_seq_len=meta.max_seq_len,
                 out=out,
+                seq_order=meta.decode_order,
                 **scales,
             )
         elif meta.num_decode_seqs:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.engine.attention import AttentionMetadata
-from pagedkv.engine.worker.inputs import slot_mapping
+from pagedkv.engine.worker.inputs import longest_first, slot_mapping
 from pagedkv.engine.worker.staging import StagedTables, host_tensor
 
 logger = logging.getLogger(__name__)
@@ -64,16 +64,20 @@ class DecodeGraphs:
         self.pos = torch.zeros(top, dtype=torch.long, device=dev)
         self.tables = torch.zeros((top, width), dtype=torch.int32, device=dev)
         self.lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self.order = torch.arange(top, dtype=torch.int32, device=dev)  # attention's schedule
         self.cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(top, device=dev)
         # Two sets of pinned staging buffers, used in turn: with asynchronous scheduling the
         # host fills the next step's while the copies of the step before may still be queued.
         self._stages = [torch.zeros((2, top), dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._order_stages = [torch.arange(top, dtype=torch.int32).pin_memory() if pin
+                              else torch.arange(top, dtype=torch.int32) for _ in range(2)]  # fmt: skip
         self._table_stages = [
             StagedTables(torch.zeros((top, width), dtype=torch.int32, pin_memory=pin))
             for _ in range(2)
         ]
         self._turn = 0
+        self._padding_rows = torch.arange(top, dtype=torch.int32)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The decode pass over the first `b` static rows (what each graph captures)."""
@@ -83,7 +87,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=torch.where(lens > 0, slots, -1), block_tables=self.tables[:b],
             seq_lens=lens, cu_query_lens=self.cu[: b + 1], max_query_len=1,
-            max_seq_len=self.max_model_len, decode_only=True,
+            max_seq_len=self.max_model_len, decode_only=True, decode_order=self.order[:b],
         )
         return self.model(self.ids[:b], pos, self.kv_caches, meta)
 
@@ -142,6 +146,12 @@ class DecodeGraphs:
         self.lens[:n].copy_(self.pos[:n])
         self.lens[:n] += 1
         self.lens[n:b].zero_()
+        # attention's schedule: the real rows longest first (by position: length - 1), then
+        # the padding rows, which stay where the buffer was made (arange)
+        order_stage = self._order_stages[turn]
+        order_stage[:n] = longest_first(stage[1, :n])
+        order_stage[n:b] = self._padding_rows[n:b]
+        self.order[:b].copy_(order_stage[:b], non_blocking=True)
         table_stage = self._table_stages[turn]
         width = table_stage.update(tables)
         self.tables[:n, :width].copy_(table_stage.buf[:n, :width], non_blocking=True)

@@ -117,6 +117,15 @@ def pack_tables(tables: list[list[int]], out: torch.Tensor) -> int:
     return width
 
 
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The rows of a decode batch by context length, longest first (ties in batch order), as
+    int32: the order in which the decode attention kernel starts their programs
+    (``pagedattn_kernels.paged_decode_attention``'s ``seq_order``). A host sort of at most a
+    thousand lengths, a few microseconds; it keeps a long context that comes late in the
+    batch from running on alone after every other program has finished."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+
+
 def build_inputs(
     batch: StepBatch, block_size: int, device: torch.device
 ) -> tuple[StepInputs, list[int]]:
@@ -156,6 +165,9 @@ def build_inputs(
         num_decode_seqs=num_decode,
         prefill_cu_query_lens=(cu[num_decode:] - num_decode).to(device, non_blocking=True)
         if num_decode else None,
+        # the Triton kernel's schedule (the CPU's torch attention has none)
+        decode_order=longest_first(seq_lens).to(device, non_blocking=True)
+        if max_q == 1 and device.type == "cuda" else None,
     )
     inputs = StepInputs(
         input_ids=host_tensor(ids).to(device, non_blocking=True),
