@@ -38,6 +38,10 @@
 #     scripts/decode_fp8_engine_shapes.py --automatic-configs at small batches
 #     (SPLIT_SHAPES): decode attention on the bf16 and fp8 caches with the automatic split
 #     count and forced ones (SPLIT_SET, 2,4,8,16)  -> decode_splits.json
+#   bash scripts/gpu_fp8.sh order              # ~5 min, carrying .gpu_data
+#     the fp8 and the bf16 run with decode attention programs longest context first (the
+#     engine's default) and in batch order (PAGEDKV_DECODE_ORDER=0), one run each
+#                                                  -> ..._{fp8,bf16}_order{1,0}.json
 #   bash scripts/gpu_fp8.sh realcontexts       # ~1 min, carrying .gpu_data
 #     decode attention over real ShareGPT contexts at 32-768 sequences, in batch order and
 #     longest first, both caches                   -> decode_realcontexts.json
@@ -228,6 +232,44 @@ for r in range(1, rounds + 1):
 if ratios:
     print(f"fp8 / bf16: median {statistics.median(ratios):.3f}x, "
           f"spread {min(ratios):.3f}-{max(ratios):.3f}x over {len(ratios)} rounds (goal 1.5x)")
+PY
+      ;;
+    order)
+      # decode attention programs longest context first (the engine's default) against batch
+      # order (PAGEDKV_DECODE_ORDER=0), fp8 weights + fp8 KV then bf16, one run each
+      keep_out=$OUT; OUT=/tmp/pagedkv-order; mkdir -p "$OUT"
+      for kind in fp8 bf16; do
+        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+        for order in 1 0; do
+          PAGEDKV_DECODE_ORDER=$order throughput "_${kind}_order$order" "${extra[@]}" \
+            | grep -E "^\{'output"
+          cp "$OUT/throughput_${name}_${kind}_order$order.json" "$keep_out"/ 2>/dev/null
+        done
+      done
+      OUT=$keep_out
+      "$PYTHON" - "$OUT" "$name" <<'PY'
+import json, sys
+out, name = sys.argv[1], sys.argv[2]
+runs = {}
+for kind in ("fp8", "bf16"):
+    for order in (1, 0):
+        try:
+            runs[kind, order] = json.load(open(f"{out}/throughput_{name}_{kind}_order{order}.json"))
+        except OSError as exc:
+            print(f"{kind} order={order}: no figures ({exc})")
+for kind in ("fp8", "bf16"):
+    if (kind, 1) in runs and (kind, 0) in runs:
+        on, off = runs[kind, 1], runs[kind, 0]
+        bands = ", ".join(f"{b}: {on['decode_host_gap_by_batch'][b]['seconds']:.2f} / "
+                          f"{off['decode_host_gap_by_batch'][b]['seconds']:.2f}"
+                          for b in on.get("decode_host_gap_by_batch", {}))
+        print(f"{kind}: longest first {on['output_tok_s']:,.0f} / batch order "
+              f"{off['output_tok_s']:,.0f} output tok/s = {on['output_tok_s'] / off['output_tok_s']:.3f}x, "
+              f"roofline {on.get('roofline_frac', 0):.1%} / {off.get('roofline_frac', 0):.1%}; decode bands (s) {bands}")
+for order in (1, 0):
+    if ("fp8", order) in runs and ("bf16", order) in runs:
+        r = runs["fp8", order]["output_tok_s"] / runs["bf16", order]["output_tok_s"]
+        print(f"fp8 / bf16 with {'longest first' if order else 'batch order'}: {r:.3f}x (goal 1.5x)")
 PY
       ;;
     rows256)

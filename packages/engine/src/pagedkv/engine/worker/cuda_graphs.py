@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.engine.attention import AttentionMetadata
+from pagedkv.engine.worker import inputs
 from pagedkv.engine.worker.inputs import longest_first, slot_mapping
 from pagedkv.engine.worker.staging import StagedTables, host_tensor
 
@@ -87,7 +88,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=torch.where(lens > 0, slots, -1), block_tables=self.tables[:b],
             seq_lens=lens, cu_query_lens=self.cu[: b + 1], max_query_len=1,
-            max_seq_len=self.max_model_len, decode_only=True, decode_order=self.order[:b],
+            max_seq_len=self.max_model_len, decode_only=True,
+            decode_order=self.order[:b] if inputs.DECODE_ORDER else None,
         )
         return self.model(self.ids[:b], pos, self.kv_caches, meta)
 
@@ -148,10 +150,11 @@ class DecodeGraphs:
         self.lens[n:b].zero_()
         # attention's schedule: the real rows longest first (by position: length - 1), then
         # the padding rows, which stay where the buffer was made (arange)
-        order_stage = self._order_stages[turn]
-        order_stage[:n] = longest_first(stage[1, :n])
-        order_stage[n:b] = self._padding_rows[n:b]
-        self.order[:b].copy_(order_stage[:b], non_blocking=True)
+        if inputs.DECODE_ORDER:
+            order_stage = self._order_stages[turn]
+            order_stage[:n] = longest_first(stage[1, :n])
+            order_stage[n:b] = self._padding_rows[n:b]
+            self.order[:b].copy_(order_stage[:b], non_blocking=True)
         table_stage = self._table_stages[turn]
         width = table_stage.update(tables)
         self.tables[:n, :width].copy_(table_stage.buf[:n, :width], non_blocking=True)

@@ -13,6 +13,7 @@ prefill batches here and for decode batches inside the CUDA graphs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -117,6 +118,11 @@ def pack_tables(tables: list[list[int]], out: torch.Tensor) -> int:
     return width
 
 
+#: Whether decode steps on a GPU order their attention programs (``longest_first``);
+#: ``PAGEDKV_DECODE_ORDER=0`` (read at import) keeps batch order, for A/B runs.
+DECODE_ORDER = os.environ.get("PAGEDKV_DECODE_ORDER", "1") != "0"
+
+
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     """The rows of a decode batch by context length, longest first (ties in batch order), as
     int32: the order in which the decode attention kernel starts their programs
@@ -167,7 +173,7 @@ def build_inputs(
         if num_decode else None,
         # the Triton kernel's schedule (the CPU's torch attention has none)
         decode_order=longest_first(seq_lens).to(device, non_blocking=True)
-        if max_q == 1 and device.type == "cuda" else None,
+        if max_q == 1 and device.type == "cuda" and DECODE_ORDER else None,
     )
     inputs = StepInputs(
         input_ids=host_tensor(ids).to(device, non_blocking=True),
