@@ -112,7 +112,7 @@ def bound(context: int) -> int:
     return max(MAX_MODEL_LEN, context)
 
 
-def attend(q, kv, tables, lens, out, config=None, splits=None):
+def attend(q, kv, tables, lens, out, config=None, splits=None, min_partition=None):
     kc, vc = kv
     scales = {}
     if kc.dtype == FP8:
@@ -120,7 +120,8 @@ def attend(q, kv, tables, lens, out, config=None, splits=None):
         scales = {"k_scale": one, "v_scale": one}
     return tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5,
                                             tables.shape[1] * BLOCK, out, num_splits=splits,
-                                            config=config, **scales)  # fmt: skip
+                                            config=config, min_partition=min_partition,
+                                            **scales)  # fmt: skip
 
 
 def check() -> int:
@@ -167,6 +168,10 @@ def main() -> int:
     ap.add_argument("--lengths", default="fixed", help="the batch's contexts: fixed (all the "
                     "shape's), spread (uniform over half to 1.5x it), or a ShareGPT workload "
                     "JSON (live requests' contexts; the shape's context unused)")
+    ap.add_argument("--min-partition", type=int, default=None, help="with --splits: the "
+                    "fewest tokens a split sequence gives one program (default: one tile)")
+    ap.add_argument("--split-max-batch", type=int, default=SPLIT_MAX_BATCH,
+                    help="forced splits up to this many sequences (more: the automatic count)")
     ap.add_argument("--longest-first", action="store_true", help="also time each shape with "
                     "its sequences in order of context length, longest first")
     run = start(ap, check, budget_s=150.0)
@@ -195,7 +200,7 @@ def main() -> int:
             kvs, tables = caches(host_lens, dtype, gen, max(1, int(-(-ROTATE_BYTES // nbytes))))
             forced = ([] if args.splits == "none" else
                       [int(x) for x in args.splits.split(",") if x] or SPLITS[1:])
-            forced = forced if batch <= SPLIT_MAX_BATCH else []  # many pairs: automatic
+            forced = forced if batch <= args.split_max_batch else []  # many pairs: automatic
             variants = [(None, None)] + [(None, s) for s in forced]
             if not args.automatic_configs:
                 configs = bf16_configs if dtype == torch.bfloat16 else fp8_configs
@@ -206,7 +211,7 @@ def main() -> int:
                 it = itertools.cycle(kvs)
 
                 def run(cfg=cfg, splits=splits, it=it, tables=tables, lens=lens, q=q, out=out):
-                    return attend(q, next(it), tables, lens, out, cfg, splits)
+                    return attend(q, next(it), tables, lens, out, cfg, splits, args.min_partition)
 
                 row = {"batch": batch, "context": context, "lengths": args.lengths,
                        "kv": str(dtype).split(".")[-1],

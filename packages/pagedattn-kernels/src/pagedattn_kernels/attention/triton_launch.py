@@ -249,8 +249,13 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     seq_order: torch.Tensor | None = None,
+    min_partition: int | None = None,
 ) -> torch.Tensor:
-    """``seq_order`` (int32 [num_seqs], a permutation of the rows): the order in which the
+    """``min_partition``: the fewest tokens a split sequence gives one program (rounded up to
+    whole tiles); None: ``MIN_PARTITION`` with the automatic split count, one tile with a
+    forced one (tests split short contexts on purpose).
+
+    ``seq_order`` (int32 [num_seqs], a permutation of the rows): the order in which the
     GPU starts the sequences' programs; the output is the same in any order.
 
     Why an order: the GPU starts a kernel's programs in grid order as program slots free up,
@@ -275,15 +280,15 @@ def paged_decode_attention(
     dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-    # The smallest share of a split sequence (the kernel's partition_size): MIN_PARTITION for
-    # the automatic split count, one tile when the caller asks for a count (tests split short
-    # contexts on purpose). Unused without a split.
-    min_partition = cfg.tile_n
+    # The smallest share of a split sequence (the kernel's partition_size). Unused without a
+    # split.
+    least = min_partition or cfg.tile_n
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, bound, sm_count(query.device), cfg.per_sm
         )
-        min_partition = -(-MIN_PARTITION // cfg.tile_n) * cfg.tile_n
+        least = min_partition or MIN_PARTITION
+    min_partition = -(-least // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
     upcast = _upcast(kernels.decode_kernel, query.dtype)
     packed = 0
