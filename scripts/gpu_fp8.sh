@@ -38,10 +38,11 @@
 #     scripts/decode_fp8_engine_shapes.py --automatic-configs at small batches
 #     (SPLIT_SHAPES): decode attention on the bf16 and fp8 caches with the automatic split
 #     count and forced ones (SPLIT_SET, 2,4,8,16)  -> decode_splits.json
-#   bash scripts/gpu_fp8.sh order              # ~5 min, carrying .gpu_data
+#   bash scripts/gpu_fp8.sh order              # ~6 min, carrying .gpu_data
 #     the fp8 and the bf16 run with decode attention programs longest context first (the
-#     engine's default) and in batch order (PAGEDKV_DECODE_ORDER=0), one run each
-#                                                  -> ..._{fp8,bf16}_order{1,0}.json
+#     engine's default) and in batch order (PAGEDKV_DECODE_ORDER=0), the fp8 one also with
+#     long sequences split (PAGEDATTN_FP8_LONG_SPLITS=4); ORDER_RUNS picks the runs
+#                                                  -> ..._{fp8,bf16}_order{1,0}_long{1,4}.json
 #   bash scripts/gpu_fp8.sh realcontexts       # ~1 min, carrying .gpu_data
 #     decode attention over real ShareGPT contexts at 32-768 sequences, in batch order and
 #     longest first, both caches                   -> decode_realcontexts.json
@@ -236,40 +237,33 @@ PY
       ;;
     order)
       # decode attention programs longest context first (the engine's default) against batch
-      # order (PAGEDKV_DECODE_ORDER=0), fp8 weights + fp8 KV then bf16, one run each
+      # order (PAGEDKV_DECODE_ORDER=0), and with the fp8 one-warp tiles' long-sequence splits
+      # (PAGEDATTN_FP8_LONG_SPLITS): ORDER_RUNS lists KIND:ORDER:LONG_SPLITS, run in turn (the
+      # most wanted first: a call cut short keeps the JSONs of the runs it finished)
       keep_out=$OUT; OUT=/tmp/pagedkv-order; mkdir -p "$OUT"
-      for kind in fp8 bf16; do
+      for run in ${ORDER_RUNS:-fp8:1:4 fp8:1:1 bf16:1:1 fp8:0:1 bf16:0:1}; do
+        IFS=: read -r kind order long <<< "$run"
         extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
-        for order in 1 0; do
-          PAGEDKV_DECODE_ORDER=$order throughput "_${kind}_order$order" "${extra[@]}" \
-            | grep -E "^\{'output"
-          cp "$OUT/throughput_${name}_${kind}_order$order.json" "$keep_out"/ 2>/dev/null
-        done
+        tag="_${kind}_order${order}_long${long}"
+        PAGEDKV_DECODE_ORDER=$order PAGEDATTN_FP8_LONG_SPLITS=$long throughput "$tag" "${extra[@]}" \
+          | grep -E "^\{'output"
+        cp "$OUT/throughput_${name}${tag}.json" "$keep_out"/ 2>/dev/null
       done
       OUT=$keep_out
       "$PYTHON" - "$OUT" "$name" <<'PY'
-import json, sys
+import glob, json, re, sys
 out, name = sys.argv[1], sys.argv[2]
 runs = {}
-for kind in ("fp8", "bf16"):
-    for order in (1, 0):
-        try:
-            runs[kind, order] = json.load(open(f"{out}/throughput_{name}_{kind}_order{order}.json"))
-        except OSError as exc:
-            print(f"{kind} order={order}: no figures ({exc})")
-for kind in ("fp8", "bf16"):
-    if (kind, 1) in runs and (kind, 0) in runs:
-        on, off = runs[kind, 1], runs[kind, 0]
-        bands = ", ".join(f"{b}: {on['decode_host_gap_by_batch'][b]['seconds']:.2f} / "
-                          f"{off['decode_host_gap_by_batch'][b]['seconds']:.2f}"
-                          for b in on.get("decode_host_gap_by_batch", {}))
-        print(f"{kind}: longest first {on['output_tok_s']:,.0f} / batch order "
-              f"{off['output_tok_s']:,.0f} output tok/s = {on['output_tok_s'] / off['output_tok_s']:.3f}x, "
-              f"roofline {on.get('roofline_frac', 0):.1%} / {off.get('roofline_frac', 0):.1%}; decode bands (s) {bands}")
-for order in (1, 0):
-    if ("fp8", order) in runs and ("bf16", order) in runs:
-        r = runs["fp8", order]["output_tok_s"] / runs["bf16", order]["output_tok_s"]
-        print(f"fp8 / bf16 with {'longest first' if order else 'batch order'}: {r:.3f}x (goal 1.5x)")
+for path in sorted(glob.glob(f"{out}/throughput_{name}_*_order*_long*.json")):
+    kind, order, long = re.search(r"_(fp8|bf16)_order(\d)_long(\d+)\.json$", path).groups()
+    runs[kind, int(order), int(long)] = d = json.load(open(path))
+    bands = ", ".join(f"{b}: {v['seconds']:.2f}" for b, v in d.get("decode_host_gap_by_batch", {}).items())
+    print(f"{kind} order={order} long_splits={long}: {d['output_tok_s']:,.0f} output tok/s, "
+          f"roofline {d.get('roofline_frac') or 0:.1%}, {d['seconds']:.2f} s; decode bands (s) {bands}")
+for (kind, order, long), d in runs.items():
+    if kind == "fp8" and ("bf16", order, 1) in runs:
+        r = d["output_tok_s"] / runs["bf16", order, 1]["output_tok_s"]
+        print(f"fp8 (order={order}, long_splits={long}) / bf16 (order={order}): {r:.3f}x (goal 1.5x)")
 PY
       ;;
     rows256)

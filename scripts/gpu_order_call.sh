@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# One device call for the longest-first decode order (run from the repository root, carrying
-# .whl, .gpu_commit and .gpu_data): the fp8 and bf16 ShareGPT runs with and without it
-# (`gpu_fp8.sh order`), decode attention over real contexts in both orders
-# (`gpu_fp8.sh realcontexts`), the GPU decode tests of the order and the split, then forced
-# splits of long sequences at 128-384 sequences, longest first (min partition 512).
-# At most 8 files come back: the four run JSONs, fp8_env.txt, decode_realcontexts.{json,log},
-# split512.log.
+# One device call for the longest-first decode order and the fp8 long-sequence splits (run
+# from the repository root, carrying .whl, .gpu_commit and .gpu_data):
+#  1. the ShareGPT runs of `gpu_fp8.sh order` (fp8 longest first with and without long
+#     splits, bf16 longest first, then both in batch order);
+#  2. decode attention over real ShareGPT contexts, batch order and longest first, with the
+#     automatic split and forced ones (2, 4; at least 512 tokens a program) up to 768
+#     sequences, both caches;
+#  3. the GPU tests of the decode order and splits.
+# At most 8 files come back: the five run JSONs, fp8_env.txt and the two logs.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_env.sh || exit 1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
-RUN_TIMEOUT=130 bash scripts/gpu_fp8.sh order 2>&1 | grep -E "^(fp8|bf16)|output_tok_s|rror" | tail -12
-bash scripts/gpu_fp8.sh realcontexts 2>&1 | grep -E "B=" | grep -v " run " \
-  | sed -E "s/^.*INFO[^B]*//; s/ +/ /g" | tail -30
-timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_decode.py -k "order or split" 2>&1 | tail -2
-timeout 120 python3 scripts/decode_fp8_engine_shapes.py --shapes 128x0,256x0,384x0 \
+RUN_TIMEOUT=130 bash scripts/gpu_fp8.sh order 2>&1 | grep -E "^(fp8|bf16)|rror" | tail -12
+timeout 200 python3 scripts/decode_fp8_engine_shapes.py --shapes 64x0,128x0,256x0,384x0,768x0 \
   --lengths .gpu_data/sharegpt_1000.json --longest-first --automatic-configs --splits 2,4 \
-  --min-partition 512 --split-max-batch 512 --budget-s 90 --commit "${PAGEDKV_COMMIT:-}" \
-  --output-json /tmp/split512.json > "$OUT/split512.log" 2>&1
-grep -E "B=" "$OUT/split512.log" | grep -v " run " | sed -E 's/^.*INFO[^B]*//; s/ +/ /g' | tail -30
+  --min-partition 512 --split-max-batch 1024 --budget-s 170 --commit "${PAGEDKV_COMMIT:-}" \
+  --output-json /tmp/realcontexts.json > "$OUT/decode_realcontexts_splits.log" 2>&1
+grep -E "B=" "$OUT/decode_realcontexts_splits.log" | grep -v " run " \
+  | sed -E 's/^.*INFO[^B]*//; s/ +/ /g' | tail -45
+timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_decode.py -k "order or split" 2>&1 | tail -2

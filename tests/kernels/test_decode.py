@@ -199,6 +199,39 @@ def test_decode_in_any_sequence_order(target, seed, splits):
             assert torch.equal(out, plain), f"{kc.dtype}, order {order} (seed={seed})"
 
 
+def test_long_sequences_split_in_a_full_batch(target, seed, monkeypatch):
+    """``DecodeConfig.long_splits``: when the batch's programs fill the GPU (no automatic
+    split), sequences longer than ``LONG_MIN_PARTITION`` still split, in shares of at least
+    that many tokens, and their partial outputs merge as any split's do (scratch poisoned
+    with NaN); in batch order and longest first."""
+    if target.backend != "triton":
+        pytest.skip("a Triton launch option")
+    from pagedattn_kernels.attention import triton_launch
+
+    real = triton_launch._scratch
+    monkeypatch.setattr(triton_launch, "_scratch",
+                        lambda n, device: real(n, device).fill_(float("nan")))  # fmt: skip
+    gen = target.generator(seed)
+    lens = [1300, 20, 600, 0, 513, 1, 2048, 90]
+    batch = random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=BF16, device=target.device,
+    )  # fmt: skip
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    ref = reference.paged_decode_attention(*args)
+    # one program slot per SM: 8 sequences x 2 KV heads fill two waves, so no automatic split
+    cfg = triton_launch.DecodeConfig(tile_n=32, num_warps=1, num_stages=1, per_sm=1,
+                                     long_splits=3)  # fmt: skip
+    assert triton_launch.choose_num_splits(len(lens), 2, 2048, 4, cfg.per_sm) == 1
+    longest = torch.tensor(sorted(range(len(lens)), key=lambda i: -lens[i]), dtype=torch.int32,
+                           device=target.device)  # fmt: skip
+    for order in (None, longest):
+        out = triton_launch.paged_decode_attention(
+            *args, 64**-0.5, 2048, poisoned_like(batch.query), config=cfg, seq_order=order
+        )
+        _check(out, ref, BF16, seed, f"long_splits=3, order {order}")
+
+
 @pytest.mark.parametrize("option", ["early_v", "one_loop"])
 @pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3)], ids=attention_case_id)
 def test_decode_with_tile_loop_options(target, seed, case, option):

@@ -350,10 +350,11 @@ def decode_kernel(
     ORDERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    """Flash-decoding, phase one. Grid: (num_kv_heads, num_seqs, num_splits): the KV heads
-    vary fastest, so the GPU starts all programs of a sequence together, sequence after
-    sequence: in batch order, or with ORDERED in the order ``order_ptr`` lists the rows (see
-    ``triton_launch.paged_decode_attention``'s ``seq_order`` for why).
+    """Flash-decoding, phase one. Grid: (num_kv_heads, num_splits, num_seqs): the sequence
+    varies slowest, so the GPU starts all programs of a sequence (every KV head, every split)
+    together, sequence after sequence: in batch order, or with ORDERED in the order
+    ``order_ptr`` lists the rows (see ``triton_launch.paged_decode_attention``'s
+    ``seq_order`` for why).
 
     Program (seq, kv head, split) attends the group's query heads (rows of a BLOCK_G x D tile)
     over context positions [split * P, min(+P, seq_len)), P = ``_split_length(seq_len,
@@ -373,13 +374,13 @@ def decode_kernel(
         gdc_wait()
         gdc_launch_dependents()
     kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
     if ORDERED:
         seq = tl.load(order_ptr + seq)
-    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT:
-        part = _split_length(seq_len, tl.num_programs(2), partition_size, TILE_N)
+        part = _split_length(seq_len, tl.num_programs(1), partition_size, TILE_N)
         start = split * part
         if start >= seq_len:
             return

@@ -50,7 +50,9 @@ class DecodeConfig:
     words are loaded into registers, probably outside the compiler's software pipeline.
     ``one_loop``: the ragged last tile inside the pipelined loop, every tile masked
     (``decode_kernel``'s ONE_LOOP), rather than unmasked whole tiles and the ragged one after
-    the loop."""
+    the loop. ``long_splits``: where ``choose_num_splits`` would not split (the programs fill
+    the GPU), still split every sequence longer than ``LONG_MIN_PARTITION`` tokens into up to
+    this many programs of at least that many tokens each; 1: no."""
 
     tile_n: int
     num_warps: int
@@ -60,6 +62,7 @@ class DecodeConfig:
     f16_products: bool = True
     packed_loads: bool = False
     one_loop: bool = False
+    long_splits: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +93,15 @@ FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: (read at import) moves the threshold, for A/B runs of a whole benchmark (a huge value:
 #: never one warp).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
-FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
+#: With one warp per program a long context is a long chain of small tiles: at 384 sequences of
+#: real ShareGPT contexts the longest (1,765 tokens, 55 tiles) took longer than all the others
+#: together took per program slot. ``long_splits``: split such sequences even when the
+#: batch's programs fill the GPU (``PAGEDATTN_FP8_LONG_SPLITS``, read at import, for A/B runs).
+FP8_LONG_SPLITS = int(os.environ.get("PAGEDATTN_FP8_LONG_SPLITS", "1"))
+FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8,
+                            long_splits=FP8_LONG_SPLITS)  # fmt: skip
+#: the fewest tokens a ``long_splits`` split gives one program
+LONG_MIN_PARTITION = 512
 
 
 def decode_config(
@@ -288,6 +299,8 @@ def paged_decode_attention(
             num_seqs, num_kv_heads, bound, sm_count(query.device), cfg.per_sm
         )
         least = min_partition or MIN_PARTITION
+        if num_splits == 1 and cfg.long_splits > 1 and bound > LONG_MIN_PARTITION:
+            num_splits, least = cfg.long_splits, min_partition or LONG_MIN_PARTITION
     min_partition = -(-least // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
     upcast = _upcast(kernels.decode_kernel, query.dtype)
@@ -303,7 +316,7 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
     pdl = use_pdl(query.device)
-    kernels.decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+    kernels.decode_kernel[(num_kv_heads, num_splits, num_seqs)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
         seq_lens if seq_order is None else seq_order,
         scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
