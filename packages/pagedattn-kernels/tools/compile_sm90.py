@@ -241,6 +241,9 @@ def main() -> None:
             attention.paged_decode_attention(
                 qd, kc, kc, bt, lens, 0.1, 512, torch.empty_like(qd), num_splits=splits
             )
+        # longest first, as the engine's decode steps run it (seq_order)
+        attention.paged_decode_attention(qd, kc, kc, bt, lens, 0.1, 512, torch.empty_like(qd),
+                                         seq_order=torch.tensor([1, 0], dtype=torch.int32))  # fmt: skip
         cache.reshape_and_cache(
             q[:, :hkv].contiguous(), q[:, :hkv].contiguous(), kc, kc,
             torch.zeros(8, dtype=torch.int64),
@@ -279,6 +282,12 @@ def _fp8_variants() -> None:
             attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
                                              num_splits=1, config=cfg, k_scale=unit,
                                              v_scale=unit)  # fmt: skip
+        # the one-warp tiles as the engine runs them: longest first, long sequences split
+        attention.paged_decode_attention(
+            q, kc, kc, bt, lens, 0.1, 2048, torch.empty_like(q),
+            config=dataclasses.replace(attention.FP8_ONE_WARP, long_splits=4), k_scale=unit,
+            v_scale=unit, seq_order=torch.tensor([1, 0], dtype=torch.int32),
+        )  # fmt: skip
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),
                                   k_scale=unit, v_scale=unit)  # fmt: skip
