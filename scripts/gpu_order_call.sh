@@ -14,9 +14,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_env.sh || exit 1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
-timeout 120 python3 scripts/decode_fp8_engine_shapes.py --shapes 128x0,384x0 \
+timeout 120 python3 scripts/decode_fp8_engine_shapes.py --shapes "${SWEEP_SHAPES:-128x0,384x0}" \
   --lengths .gpu_data/sharegpt_1000.json --longest-first --automatic-configs --splits 4 \
-  --min-partition 512 --split-max-batch 1024 --budget-s 100 --commit "${PAGEDKV_COMMIT:-}" \
+  --min-partition 512 --split-max-batch 1024 --budget-s "${SWEEP_BUDGET:-100}" --commit "${PAGEDKV_COMMIT:-}" \
   --output-json "$OUT/decode_realcontexts_splits.json" > "$OUT/decode_realcontexts_splits.log" 2>&1
 grep -E "B=" "$OUT/decode_realcontexts_splits.log" | grep -v " run " | grep -v best \
   | sed -E 's/^.*INFO[^B]*//; s/ +/ /g'
@@ -35,6 +35,6 @@ print(4 if 4 in us and None in us and us[4] < us[None] else 1)
 PY
 )
 echo "LONG=$LONG"
-ORDER_RUNS="fp8:1:$LONG bf16:1:1 fp8:0:1 bf16:0:1" RUN_TIMEOUT=130 bash scripts/gpu_fp8.sh order 2>&1 \
+ORDER_RUNS="${ORDER_RUNS:-fp8:1:$LONG bf16:1:1 fp8:0:1 bf16:0:1}" RUN_TIMEOUT=130 bash scripts/gpu_fp8.sh order 2>&1 \
   | grep -E "^(fp8|bf16)|rror" | tail -12
 timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_decode.py -k "order or split" 2>&1 | tail -2
