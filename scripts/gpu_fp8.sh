@@ -38,11 +38,10 @@
 #     scripts/decode_fp8_engine_shapes.py --automatic-configs at small batches
 #     (SPLIT_SHAPES): decode attention on the bf16 and fp8 caches with the automatic split
 #     count and forced ones (SPLIT_SET, 2,4,8,16)  -> decode_splits.json
-#   bash scripts/gpu_fp8.sh order              # ~6 min, carrying .gpu_data
+#   bash scripts/gpu_fp8.sh order              # ~4 min, carrying .gpu_data
 #     the fp8 and the bf16 run with decode attention programs longest context first (the
-#     engine's default) and in batch order (PAGEDKV_DECODE_ORDER=0), the fp8 one also with
-#     long sequences split (PAGEDATTN_FP8_LONG_SPLITS=4); ORDER_RUNS picks the runs
-#                                                  -> ..._{fp8,bf16}_order{1,0}_long{1,4}.json
+#     engine's default) and in batch order (PAGEDKV_DECODE_ORDER=0); ORDER_RUNS picks them
+#                                                  -> ..._{fp8,bf16}_order{1,0}.json
 #   bash scripts/gpu_fp8.sh realcontexts       # ~1 min, carrying .gpu_data
 #     decode attention over real ShareGPT contexts at 32-768 sequences, in batch order and
 #     longest first, both caches                   -> decode_realcontexts.json
@@ -237,16 +236,14 @@ PY
       ;;
     order)
       # decode attention programs longest context first (the engine's default) against batch
-      # order (PAGEDKV_DECODE_ORDER=0), and with the fp8 one-warp tiles' long-sequence splits
-      # (PAGEDATTN_FP8_LONG_SPLITS): ORDER_RUNS lists KIND:ORDER:LONG_SPLITS, run in turn (the
-      # most wanted first: a call cut short keeps the JSONs of the runs it finished)
+      # order (PAGEDKV_DECODE_ORDER=0): ORDER_RUNS lists KIND:ORDER, run in turn (a call cut
+      # short keeps the JSONs of the runs it finished)
       keep_out=$OUT; OUT=/tmp/pagedkv-order; mkdir -p "$OUT"
-      for run in ${ORDER_RUNS:-fp8:1:4 fp8:1:1 bf16:1:1 fp8:0:1 bf16:0:1}; do
-        IFS=: read -r kind order long <<< "$run"
+      for run in ${ORDER_RUNS:-fp8:1 bf16:1 fp8:0 bf16:0}; do
+        IFS=: read -r kind order <<< "$run"
         extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
-        tag="_${kind}_order${order}_long${long}"
-        PAGEDKV_DECODE_ORDER=$order PAGEDATTN_FP8_LONG_SPLITS=$long throughput "$tag" "${extra[@]}" \
-          | grep -E "^\{'output"
+        tag="_${kind}_order${order}"
+        PAGEDKV_DECODE_ORDER=$order throughput "$tag" "${extra[@]}" | grep -E "^\{'output"
         cp "$OUT/throughput_${name}${tag}.json" "$keep_out"/ 2>/dev/null
       done
       OUT=$keep_out
@@ -254,16 +251,16 @@ PY
 import glob, json, re, sys
 out, name = sys.argv[1], sys.argv[2]
 runs = {}
-for path in sorted(glob.glob(f"{out}/throughput_{name}_*_order*_long*.json")):
-    kind, order, long = re.search(r"_(fp8|bf16)_order(\d)_long(\d+)\.json$", path).groups()
-    runs[kind, int(order), int(long)] = d = json.load(open(path))
+for path in sorted(glob.glob(f"{out}/throughput_{name}_*_order[01].json")):
+    kind, order = re.search(r"_(fp8|bf16)_order(\d)\.json$", path).groups()
+    runs[kind, int(order)] = d = json.load(open(path))
     bands = ", ".join(f"{b}: {v['seconds']:.2f}" for b, v in d.get("decode_host_gap_by_batch", {}).items())
-    print(f"{kind} order={order} long_splits={long}: {d['output_tok_s']:,.0f} output tok/s, "
-          f"roofline {d.get('roofline_frac') or 0:.1%}, {d['seconds']:.2f} s; decode bands (s) {bands}")
-for (kind, order, long), d in runs.items():
-    if kind == "fp8" and ("bf16", order, 1) in runs:
-        r = d["output_tok_s"] / runs["bf16", order, 1]["output_tok_s"]
-        print(f"fp8 (order={order}, long_splits={long}) / bf16 (order={order}): {r:.3f}x (goal 1.5x)")
+    print(f"{kind} order={order}: {d['output_tok_s']:,.0f} output tok/s, roofline "
+          f"{d.get('roofline_frac') or 0:.1%}, {d['seconds']:.2f} s; decode bands (s) {bands}")
+for order in (1, 0):
+    if ("fp8", order) in runs and ("bf16", order) in runs:
+        r = runs["fp8", order]["output_tok_s"] / runs["bf16", order]["output_tok_s"]
+        print(f"fp8 / bf16, {'longest first' if order else 'batch order'}: {r:.3f}x (goal 1.5x)")
 PY
       ;;
     rows256)

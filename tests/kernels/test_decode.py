@@ -199,11 +199,11 @@ def test_decode_in_any_sequence_order(target, seed, splits):
             assert torch.equal(out, plain), f"{kc.dtype}, order {order} (seed={seed})"
 
 
-def test_long_sequences_split_in_a_full_batch(target, seed, monkeypatch):
-    """``DecodeConfig.long_splits``: when the batch's programs fill the GPU (no automatic
-    split), sequences longer than ``LONG_MIN_PARTITION`` still split, in shares of at least
-    that many tokens, and their partial outputs merge as any split's do (scratch poisoned
-    with NaN); in batch order and longest first."""
+def test_forced_splits_keep_a_least_partition(target, seed, monkeypatch):
+    """``min_partition``: with a forced split count only sequences longer than it split, in
+    shares of at least that many tokens, and their partial outputs merge as any split's do
+    (scratch poisoned with NaN), in batch order and longest first, under a CUDA graph's
+    bound."""
     if target.backend != "triton":
         pytest.skip("a Triton launch option")
     from pagedattn_kernels.attention import triton_launch
@@ -219,17 +219,15 @@ def test_long_sequences_split_in_a_full_batch(target, seed, monkeypatch):
     )  # fmt: skip
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
     ref = reference.paged_decode_attention(*args)
-    # one program slot per SM: 8 sequences x 2 KV heads fill two waves, so no automatic split
-    cfg = triton_launch.DecodeConfig(tile_n=32, num_warps=1, num_stages=1, per_sm=1,
-                                     long_splits=3)  # fmt: skip
-    assert triton_launch.choose_num_splits(len(lens), 2, 2048, 4, cfg.per_sm) == 1
+    cfg = triton_launch.DecodeConfig(tile_n=32, num_warps=1, num_stages=1, per_sm=1)
     longest = torch.tensor(sorted(range(len(lens)), key=lambda i: -lens[i]), dtype=torch.int32,
                            device=target.device)  # fmt: skip
     for order in (None, longest):
         out = triton_launch.paged_decode_attention(
-            *args, 64**-0.5, 2048, poisoned_like(batch.query), config=cfg, seq_order=order
-        )
-        _check(out, ref, BF16, seed, f"long_splits=3, order {order}")
+            *args, 64**-0.5, 2048, poisoned_like(batch.query), num_splits=4, config=cfg,
+            seq_order=order, min_partition=512,
+        )  # fmt: skip
+        _check(out, ref, BF16, seed, f"4 splits of at least 512 tokens, order {order}")
 
 
 @pytest.mark.parametrize("option", ["early_v", "one_loop"])

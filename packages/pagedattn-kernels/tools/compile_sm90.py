@@ -282,11 +282,10 @@ def _fp8_variants() -> None:
             attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
                                              num_splits=1, config=cfg, k_scale=unit,
                                              v_scale=unit)  # fmt: skip
-        # the one-warp tiles as the engine runs them: longest first, long sequences split
+        # the one-warp tiles as the engine runs them: longest first
         attention.paged_decode_attention(
-            q, kc, kc, bt, lens, 0.1, 2048, torch.empty_like(q),
-            config=dataclasses.replace(attention.FP8_ONE_WARP, long_splits=4), k_scale=unit,
-            v_scale=unit, seq_order=torch.tensor([1, 0], dtype=torch.int32),
+            q, kc, kc, bt, lens, 0.1, 2048, torch.empty_like(q), config=attention.FP8_ONE_WARP,
+            k_scale=unit, v_scale=unit, seq_order=torch.tensor([1, 0], dtype=torch.int32),
         )  # fmt: skip
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),

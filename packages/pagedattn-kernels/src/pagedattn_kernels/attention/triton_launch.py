@@ -50,9 +50,7 @@ class DecodeConfig:
     words are loaded into registers, probably outside the compiler's software pipeline.
     ``one_loop``: the ragged last tile inside the pipelined loop, every tile masked
     (``decode_kernel``'s ONE_LOOP), rather than unmasked whole tiles and the ragged one after
-    the loop. ``long_splits``: where ``choose_num_splits`` would not split (the programs fill
-    the GPU), still split every sequence longer than ``LONG_MIN_PARTITION`` tokens into up to
-    this many programs of at least that many tokens each; 1: no."""
+    the loop."""
 
     tile_n: int
     num_warps: int
@@ -62,7 +60,6 @@ class DecodeConfig:
     f16_products: bool = True
     packed_loads: bool = False
     one_loop: bool = False
-    long_splits: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,15 +90,7 @@ FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: (read at import) moves the threshold, for A/B runs of a whole benchmark (a huge value:
 #: never one warp).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
-#: With one warp per program a long context is a long chain of small tiles: at 384 sequences of
-#: real ShareGPT contexts the longest (1,765 tokens, 55 tiles) took longer than all the others
-#: together took per program slot. ``long_splits``: split such sequences even when the
-#: batch's programs fill the GPU (``PAGEDATTN_FP8_LONG_SPLITS``, read at import, for A/B runs).
-FP8_LONG_SPLITS = int(os.environ.get("PAGEDATTN_FP8_LONG_SPLITS", "1"))
-FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8,
-                            long_splits=FP8_LONG_SPLITS)  # fmt: skip
-#: the fewest tokens a ``long_splits`` split gives one program
-LONG_MIN_PARTITION = 512
+FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
 
 
 def decode_config(
@@ -262,11 +251,7 @@ def paged_decode_attention(
     seq_order: torch.Tensor | None = None,
     min_partition: int | None = None,
 ) -> torch.Tensor:
-    """``min_partition``: the fewest tokens a split sequence gives one program (rounded up to
-    whole tiles); None: ``MIN_PARTITION`` with the automatic split count, one tile with a
-    forced one (tests split short contexts on purpose).
-
-    ``seq_order`` (int32 [num_seqs], a permutation of the rows): the order in which the
+    """``seq_order`` (int32 [num_seqs], a permutation of the rows): the order in which the
     GPU starts the sequences' programs; the output is the same in any order.
 
     Why an order: the GPU starts a kernel's programs in grid order as program slots free up,
@@ -275,10 +260,16 @@ def paged_decode_attention(
     thousands of tokens, and without a split a sequence's program runs for as long as its
     context: a long one that comes late in the batch keeps a few slots busy after every
     other program has finished. Longest first (list scheduling's classic rule), the long
-    programs start at once and the short ones fill in around them. On an H200 with the
-    contexts of a real ShareGPT run (``scripts/decode_fp8_engine_shapes.py --lengths``),
-    batch order took 169 us at 384 sequences on an fp8 cache where the same bytes in equal
-    contexts took 95."""
+    programs start at once and the short ones fill in around them. On an H200, 384 sequences
+    with the contexts of a real ShareGPT run (``scripts/decode_fp8_engine_shapes.py
+    --lengths``) on an fp8 cache took 155.9 us in batch order and 113.0 longest first (46.8%
+    and 64.6% of the copy bandwidth; the same bytes in equal contexts: 94.8 us); on a
+    bfloat16 cache 157.0 and 144.2 (``docs/performance/gpu_runs/2026-12-02f/``). Splitting
+    the long sequences as well (four programs of at least 512 tokens) was slower: 169.5 us.
+
+    ``min_partition``: the fewest tokens a split sequence gives one program (rounded up to
+    whole tiles); None: ``MIN_PARTITION`` with the automatic split count, one tile with a
+    forced one (tests split short contexts on purpose)."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
@@ -299,8 +290,6 @@ def paged_decode_attention(
             num_seqs, num_kv_heads, bound, sm_count(query.device), cfg.per_sm
         )
         least = min_partition or MIN_PARTITION
-        if num_splits == 1 and cfg.long_splits > 1 and bound > LONG_MIN_PARTITION:
-            num_splits, least = cfg.long_splits, min_partition or LONG_MIN_PARTITION
     min_partition = -(-least // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
     upcast = _upcast(kernels.decode_kernel, query.dtype)
