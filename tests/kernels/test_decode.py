@@ -137,13 +137,9 @@ def test_torch_decode_rows_do_not_depend_on_the_batch(seed):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("hint", ["exact", "bound"])
-def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch):
-    """Flash-decoding splits each sequence by its own length (``_split_length``), so
-    sequences shorter than the longest, or than the ``max_seq_len`` hint (a CUDA graph's
-    ``max_model_len``), still spread over the programs, and a sequence may use fewer splits
-    than the grid has (520 tokens over 4 splits of 192). The merge must read exactly the
-    splits that wrote: the scratch memory is poisoned with NaN, so one partial too many shows."""
+def _poisoned_scratch(target, monkeypatch):
+    """The Triton launchers with the flash-decoding scratch memory filled with NaN (so that a
+    merge reading one partial too many shows); skips the torch backend."""
     if target.backend != "triton":
         pytest.skip("a Triton launch option")
     from pagedattn_kernels.attention import triton_launch
@@ -151,6 +147,17 @@ def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch
     real = triton_launch._scratch
     monkeypatch.setattr(triton_launch, "_scratch",
                         lambda n, device: real(n, device).fill_(float("nan")))  # fmt: skip
+    return triton_launch
+
+
+@pytest.mark.parametrize("hint", ["exact", "bound"])
+def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch):
+    """Flash-decoding splits each sequence by its own length (``_split_length``), so
+    sequences shorter than the longest, or than the ``max_seq_len`` hint (a CUDA graph's
+    ``max_model_len``), still spread over the programs, and a sequence may use fewer splits
+    than the grid has (520 tokens over 4 splits of 192). The merge must read exactly the
+    splits that wrote: the scratch memory is poisoned with NaN, so one partial too many shows."""
+    triton_launch = _poisoned_scratch(target, monkeypatch)
     gen = target.generator(seed)
     lens = [520, 130, 1000, 0, 17, 300] + ([4099, 9000] if target.full else [])
     batch = random_paged_batch(
@@ -204,13 +211,7 @@ def test_forced_splits_keep_a_least_partition(target, seed, monkeypatch):
     shares of at least that many tokens, and their partial outputs merge as any split's do
     (scratch poisoned with NaN), in batch order and longest first, under a CUDA graph's
     bound."""
-    if target.backend != "triton":
-        pytest.skip("a Triton launch option")
-    from pagedattn_kernels.attention import triton_launch
-
-    real = triton_launch._scratch
-    monkeypatch.setattr(triton_launch, "_scratch",
-                        lambda n, device: real(n, device).fill_(float("nan")))  # fmt: skip
+    triton_launch = _poisoned_scratch(target, monkeypatch)
     gen = target.generator(seed)
     lens = [1300, 20, 600, 0, 513, 1, 2048, 90]
     batch = random_paged_batch(
