@@ -33,6 +33,7 @@ TMA_MIN_TOKENS = 2048
 # Split a sequence no finer than this many tokens: below it the merge costs more than it saves.
 MIN_PARTITION = 256
 MAX_SPLITS = 256
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +274,9 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
+    if num_seqs > MAX_GRID_Z:  # the sequences are the grid's third dimension
+        raise ValueError(f"paged_decode_attention: at most {MAX_GRID_Z} sequences a call, got "
+                         f"{num_seqs}")  # fmt: skip
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
     kernels = kernels_for(query.device, KERNELS)
