@@ -256,8 +256,8 @@ def paged_decode_attention(
     GPU starts the sequences' programs; the output is the same in any order.
 
     Why an order: the GPU starts a kernel's programs in grid order as program slots free up,
-    and the grid puts a sequence's KV heads next to each other (all of its programs start
-    together), sequence after sequence. A decode batch mixes contexts of tens and of
+    and the grid puts all of a sequence's programs (every KV head and split) next to each
+    other, sequence after sequence. A decode batch mixes contexts of tens and of
     thousands of tokens, and without a split a sequence's program runs for as long as its
     context: a long one that comes late in the batch keeps a few slots busy after every
     other program has finished. Longest first (list scheduling's classic rule), the long

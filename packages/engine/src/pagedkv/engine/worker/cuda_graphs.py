@@ -71,8 +71,7 @@ class DecodeGraphs:
         # Two sets of pinned staging buffers, used in turn: with asynchronous scheduling the
         # host fills the next step's while the copies of the step before may still be queued.
         self._stages = [torch.zeros((2, top), dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._order_stages = [torch.arange(top, dtype=torch.int32).pin_memory() if pin
-                              else torch.arange(top, dtype=torch.int32) for _ in range(2)]  # fmt: skip
+        self._order_stages = [torch.zeros(top, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._table_stages = [
             StagedTables(torch.zeros((top, width), dtype=torch.int32, pin_memory=pin))
             for _ in range(2)
@@ -149,7 +148,7 @@ class DecodeGraphs:
         self.lens[:n] += 1
         self.lens[n:b].zero_()
         # attention's schedule: the real rows longest first (by position: length - 1), then
-        # the padding rows, which stay where the buffer was made (arange)
+        # the padding rows in their own order
         if inputs.DECODE_ORDER:
             order_stage = self._order_stages[turn]
             order_stage[:n] = longest_first(stage[1, :n])
