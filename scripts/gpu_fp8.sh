@@ -57,6 +57,9 @@
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
+#   bash scripts/gpu_fp8.sh prefill            # ~2 min
+#     `python -m pagedkv.bench.decode_step --prefill-prompt-len 246 --profile-steps 2`: a
+#     prefill pass of 16,384 tokens by kernel, bf16 then fp8 -> prefill_profile_*.log
 #   bash scripts/gpu_fp8.sh pdl                # ~4 min
 #     a decode step at 16, 64 and 256 sequences of ~900 tokens with PAGEDATTN_PDL=1 and =0,
 #     interleaved twice, bf16 then fp8 -> decode_pdl{1,0}_{bf16,fp8}_{1,2}.json/.log
@@ -101,7 +104,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: PROFILE_BATCHES (16,48), PROFILE_CONTEXT (900), PROFILE_LINES (120), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), RATIO_ROUNDS (2), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: PROFILE_BATCHES (16,48), PROFILE_CONTEXT (900), PREFILL_PROMPT_LEN (246), PROFILE_LINES (120), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), RATIO_ROUNDS (2), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -331,6 +334,22 @@ PY
           --output-json "$OUT/decode_profile_${kind}.json" > "$OUT/decode_profile_${kind}.log" 2>&1
         echo "    exit $?"
         grep -vE " INFO |Warn|warn_once" "$OUT/decode_profile_${kind}.log" | head -${PROFILE_LINES:-120}
+      done
+      ;;
+    prefill)
+      # A prefill pass of the run's size (16,384 tokens of prompts of the real ShareGPT mean,
+      # 246 tokens) by kernel family, bf16 then fp8 weights and cache, PDL off
+      if [[ "$SMOKE" == 1 ]]; then echo "=== prefill: needs a GPU (skipped in a smoke run)"; continue; fi
+      for kind in bf16 fp8; do
+        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+        echo "=== prefill pass profile ($kind)"
+        PAGEDATTN_PDL=0 timeout 240 "$PYTHON" -m pagedkv.bench.decode_step \
+          --prefill-prompt-len "${PREFILL_PROMPT_LEN:-246}" --prefill-passes 4 --profile-steps 2 \
+          "${model[@]}" "${extra[@]}" --max-model-len 2048 --max-num-seqs "${MAX_NUM_SEQS:-1024}" \
+          --max-num-batched-tokens "${MAX_BATCHED:-16384}" \
+          --output-json "$OUT/prefill_profile_${kind}.json" > "$OUT/prefill_profile_${kind}.log" 2>&1
+        echo "    exit $?"
+        grep -vE " INFO |Warn|warn_once" "$OUT/prefill_profile_${kind}.log" | head -${PROFILE_LINES:-120}
       done
       ;;
     pdl)

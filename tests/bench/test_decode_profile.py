@@ -62,3 +62,25 @@ def test_timed_steps_are_decode_steps_after_chunked_prefills() -> None:
     result = decode_step.measure_batch(engine, 4, 40, steps=3, warmup=0)
     assert result["decode_only"] and result["num_running"] == 4
     assert not engine.has_unfinished_requests()  # aborted at the end
+
+
+def test_prefill_passes_fill_the_token_budget() -> None:
+    """`measure_prefill`: each timed pass is one step that prefills a whole token budget of
+    fresh prompts and finishes them; the profile counts the attention kernels by name."""
+    from pagedkv.bench import decode_step
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        device="cpu", kv_cache_gb=0.05, skip_tokenizer_init=True, max_num_batched_tokens=64,
+        max_num_seqs=8,
+    ))  # fmt: skip
+    engine.emit_partial_outputs = False
+    result = decode_step.measure_prefill(engine, 20, passes=2, profile_passes=1)
+    assert result["tokens_per_pass"] == 64 and result["passes"] == 2
+    assert result["prefill_pass_ms"] > 0 and "kernels" in result
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="prefill-prompt-len"):
+        decode_step.measure_prefill(engine, 0, passes=1)
+    assert kernel_family("prefill_kernel") == "attention"
+    assert kernel_family("decode_reduce_kernel") == "attention"

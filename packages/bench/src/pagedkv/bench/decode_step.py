@@ -63,7 +63,8 @@ def _sync(device: Any) -> None:
 
 #: Kernel families of a decode step, by a substring of the kernel's name (first match wins).
 KERNEL_FAMILIES = (
-    ("attention", ("paged", "attention", "attn", "flash")),
+    ("attention", ("paged", "attention", "attn", "flash", "decode_kernel", "decode_reduce",
+                   "prefill_kernel")),
     ("rotary and cache write", ("rotary_and_cache",)),
     ("cache write", ("reshape_and_cache", "cache")),
     ("rms norm", ("rms",)),
@@ -223,6 +224,75 @@ def measure_batch(engine: Any, batch_size: int, context: int, steps: int,
     }
 
 
+def measure_prefill(engine: Any, prompt_len: int, passes: int,
+                    profile_passes: int = 0) -> dict[str, Any]:
+    """Time `passes` prefill passes, each a step's whole token budget (`max_num_batched_tokens`)
+    of fresh prompts of `prompt_len` tokens on average (spread +-50%, the last one cut to fit),
+    one output token each; one untimed pass first (Triton compiles, first-use allocations),
+    then with `profile_passes` that many more under torch.profiler (`kernel_table`).
+
+    Why: the run's first passes prefill the requests it was given all at once, 16,384 tokens
+    each; there the matmuls are compute-bound, unlike a decode step's, so they have their own
+    profile. The engine is left empty."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    budget = int(engine.args.max_num_batched_tokens)
+    max_len = int(engine.model_config.max_model_len)
+    vocab = int(engine.model_config.vocab_size)
+    if not 1 <= prompt_len < max_len:
+        raise ValueError(f"--prefill-prompt-len must be in [1, {max_len}) (max_model_len)")
+    rng = random.Random(prompt_len)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def one_pass(tag: str) -> tuple[float, int]:
+        lengths: list[int] = []
+        while sum(lengths) < budget and len(lengths) < int(engine.args.max_num_seqs):
+            n = rng.randint(max(prompt_len // 2, 1), min(prompt_len * 3 // 2, max_len - 1))
+            lengths.append(min(n, budget - sum(lengths)))
+        ids = [f"prefill-{tag}-{i}" for i in range(len(lengths))]
+        for rid, n in zip(ids, lengths):
+            engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(n)], params)
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(engine.device)
+        elapsed = time.perf_counter() - t0
+        done = engine.get_stats().num_running == 0 and engine.get_stats().num_waiting == 0
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        if not done:
+            raise RuntimeError(f"{len(lengths)} prompts of {sum(lengths)} tokens did not "
+                               "prefill in one pass: raise --max-num-seqs or lower the length")
+        return elapsed, sum(lengths)
+
+    one_pass("warmup")
+    times, tokens = [], 0
+    for i in range(passes):
+        elapsed, tokens = one_pass(str(i))
+        times.append(elapsed)
+    kernels = None
+    if profile_passes:
+        import torch
+
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            for i in range(profile_passes):
+                one_pass(f"profile{i}")
+        kernels = kernel_table(prof, profile_passes, top=30)
+    return {
+        "prompt_len": prompt_len,
+        "tokens_per_pass": tokens,
+        "prefill_pass_ms": 1e3 * sum(times) / len(times),
+        "median_pass_ms": 1e3 * statistics.median(times),
+        "min_pass_ms": 1e3 * min(times),
+        "passes": passes,
+        **({"kernels": kernels} if kernels is not None else {}),
+    }
+
+
 def measure_decode_steps(
     engine: Any,
     batch_sizes: list[int],
@@ -290,20 +360,25 @@ def run(args: argparse.Namespace) -> int:
         if args.context is not None:
             context = args.context
     else:
-        if not args.batch_sizes:
-            raise ValueError("give --batch-sizes or --sweep-json")
-        sizes, context = parse_sizes(args.batch_sizes), args.context or 490
+        if not args.batch_sizes and not args.prefill_prompt_len:
+            raise ValueError("give --batch-sizes, --sweep-json or --prefill-prompt-len")
+        sizes = parse_sizes(args.batch_sizes) if args.batch_sizes else []
+        context = args.context or 490
     if args.steps < 1 or args.warmup_steps < 0 or args.profile_steps < 0:
         raise ValueError("--steps must be >= 1, --warmup-steps and --profile-steps >= 0")
+    if args.prefill_passes < 1:
+        raise ValueError("--prefill-passes must be >= 1")
     engine_args = EngineArgs.from_cli_args(args)
-    print(f"decode step: batch sizes {sizes}, context ~{context:.0f} tokens, {args.steps} "
-          f"timed steps each", flush=True)
+    if sizes:
+        print(f"decode step: batch sizes {sizes}, context ~{context:.0f} tokens, {args.steps} "
+              f"timed steps each", flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args)
     engine.emit_partial_outputs = False  # as the throughput benchmark and the engine core run
     print(f"engine ready in {time.perf_counter() - t0:.1f} s on {engine.device}", flush=True)
     measured: list[dict[str, Any]] = []
     env = environment()
+    pre: dict[str, Any] | None = None
 
     def save(r: dict[str, Any]) -> None:
         measured.append(r)
@@ -313,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_kernel_table(r["kernels"]), flush=True)
         record = {"command": env["command"], "context": context,
                   "steps": args.steps, "device": str(engine.device), "commit": env["commit"],
-                  "by_batch": list(measured)}
+                  "by_batch": list(measured), **({"prefill": pre} if pre else {})}
         if data is not None:
             serve.attach_decode_steps(data["rates"],
                                       {m["batch_size"]: m["median_step_ms"] for m in measured})
@@ -323,6 +398,20 @@ def run(args: argparse.Namespace) -> int:
         elif args.output_json:
             serve._write_json(args.output_json, record)
 
+    if args.prefill_prompt_len:
+        pre = measure_prefill(engine, args.prefill_prompt_len, args.prefill_passes,
+                              args.profile_steps)
+        print(f"  prefill pass of {pre['tokens_per_pass']} tokens (prompts of "
+              f"~{pre['prompt_len']}): {pre['prefill_pass_ms']:.2f} ms (median "
+              f"{pre['median_pass_ms']:.2f}, min {pre['min_pass_ms']:.2f})", flush=True)
+        if "kernels" in pre:
+            print(format_kernel_table(pre["kernels"]), flush=True)
+        if not sizes:
+            if args.output_json:
+                serve._write_json(args.output_json, {"command": env["command"],
+                                                     "commit": env["commit"], "prefill": pre})
+            print(json.dumps({"prefill_pass_ms": pre["prefill_pass_ms"]}))
+            return 0
     measure_decode_steps(engine, sizes, round(context), args.steps, args.warmup_steps,
                          on_result=save, profile_steps=args.profile_steps)
     if data is not None:
@@ -353,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the timed steps, profile this many more: GPU time per step "
                         "by kernel family and the top kernels")
+    parser.add_argument("--prefill-prompt-len", type=int, default=0, metavar="TOKENS",
+                        help="first time prefill passes of one step's whole token budget, of "
+                        "prompts this long on average (with --profile-steps: by kernel too)")
+    parser.add_argument("--prefill-passes", type=int, default=4,
+                        help="timed prefill passes (after one untimed)")
     parser.add_argument("--output-json", default=None, metavar="PATH",
                         help="with --batch-sizes: write the results here")
     parser.add_argument("--log-level", default="INFO")
