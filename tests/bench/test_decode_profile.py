@@ -64,16 +64,19 @@ def test_timed_steps_are_decode_steps_after_chunked_prefills() -> None:
     assert not engine.has_unfinished_requests()  # aborted at the end
 
 
-def test_prefill_passes_fill_the_token_budget() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefill_passes_fill_the_token_budget(async_scheduling: bool) -> None:
     """`measure_prefill`: each timed pass is one step that prefills a whole token budget of
-    fresh prompts and finishes them; the profile counts the attention kernels by name."""
+    fresh prompts, finished after it (with asynchronous scheduling, as on a GPU, the step
+    that hands back their tokens comes later); the profile counts the attention kernels by
+    name."""
     from pagedkv.bench import decode_step
     from pagedkv.engine.arg_utils import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         device="cpu", kv_cache_gb=0.05, skip_tokenizer_init=True, max_num_batched_tokens=64,
-        max_num_seqs=8,
+        max_num_seqs=8, async_scheduling=async_scheduling,
     ))  # fmt: skip
     engine.emit_partial_outputs = False
     result = decode_step.measure_prefill(engine, 20, passes=2, profile_passes=1)
