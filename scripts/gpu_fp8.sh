@@ -42,6 +42,11 @@
 #     the fp8 and the bf16 run with decode attention programs longest context first (the
 #     engine's default) and in batch order (PAGEDKV_DECODE_ORDER=0); ORDER_RUNS picks them
 #                                                  -> ..._{fp8,bf16}_order{1,0}.json
+#   bash scripts/gpu_fp8.sh silu               # ~5 min, carrying .gpu_data
+#     SiLU-and-multiply to fp8 tiled, per row and recomputed at 16-16,384 rows
+#     (`bench.kernels --quant-only`), then the fp8 run recomputing from their crossover, the
+#     bf16 run and the fp8 run always tiled (SILU_RUNS, SILU_ROWS)
+#                                                  -> kernels_quant.json, ..._{fp8,bf16}_silu*.json
 #   bash scripts/gpu_fp8.sh realcontexts       # ~1 min, carrying .gpu_data
 #     decode attention over real ShareGPT contexts at 32-768 sequences, in batch order and
 #     longest first, both caches                   -> decode_realcontexts.json
@@ -175,6 +180,40 @@ engine_shapes() {  # engine_shapes TAG [decode_fp8_engine_shapes.py options...]:
   grep -E "B=|best|rror" "$OUT/$tag.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -60
 }
 
+ab_runs() {  # ab_runs VAR TAG "KIND:VALUE ..." [AUTO]: each run with VAR=VALUE ("auto": AUTO),
+  # -> throughput_NAME_KIND_TAGVALUE.json in turn (a call cut short keeps the finished ones),
+  # then each run's figures and each fp8 run's ratio to each bf16 run
+  local var=$1 tag=$2 runs=$3 auto=${4:-} keep_out=$OUT kind value extra
+  OUT=/tmp/pagedkv-ab; mkdir -p "$OUT"
+  for run in $runs; do
+    IFS=: read -r kind value <<< "$run"
+    [[ $value == auto ]] && value=$auto
+    extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+    (export "$var=$value"; throughput "_${kind}_${tag}${value}" "${extra[@]}") | grep -E "^\{'output"
+    cp "$OUT/throughput_${name}_${kind}_${tag}${value}.json" "$keep_out"/ 2>/dev/null
+  done
+  OUT=$keep_out
+  "$PYTHON" - "$OUT" "$name" "$tag" <<'PY'
+import glob, json, re, sys
+out, name, tag = sys.argv[1:4]
+runs = {}
+for path in sorted(glob.glob(f"{out}/throughput_{name}_*_{tag}*.json")):
+    m = re.search(rf"_(fp8|bf16)_{tag}(\w+)\.json$", path)
+    if not m:
+        continue
+    runs[m.groups()] = d = json.load(open(path))
+    bands = ", ".join(f"{b}: {v['seconds']:.2f}" for b, v in d.get("decode_host_gap_by_batch", {}).items())
+    print(f"{m[1]} {tag}={m[2]}: {d['output_tok_s']:,.0f} output tok/s, roofline "
+          f"{d.get('roofline_frac') or 0:.1%}, {d['seconds']:.2f} s (prefill passes "
+          f"{d.get('mixed_seconds') or 0:.2f} s); decode bands (s) {bands}")
+for (kind, value), d in runs.items():
+    for (other, bvalue), b in runs.items():
+        if kind == "fp8" and other == "bf16":
+            print(f"fp8 {tag}={value} / bf16 {tag}={bvalue}: "
+                  f"{d['output_tok_s'] / b['output_tok_s']:.3f}x (goal 1.5x)")
+PY
+}
+
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
@@ -239,32 +278,34 @@ PY
       ;;
     order)
       # decode attention programs longest context first (the engine's default) against batch
-      # order (PAGEDKV_DECODE_ORDER=0): ORDER_RUNS lists KIND:ORDER, run in turn (a call cut
-      # short keeps the JSONs of the runs it finished)
-      keep_out=$OUT; OUT=/tmp/pagedkv-order; mkdir -p "$OUT"
-      for run in ${ORDER_RUNS:-fp8:1 bf16:1 fp8:0 bf16:0}; do
-        IFS=: read -r kind order <<< "$run"
-        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
-        tag="_${kind}_order${order}"
-        PAGEDKV_DECODE_ORDER=$order throughput "$tag" "${extra[@]}" | grep -E "^\{'output"
-        cp "$OUT/throughput_${name}${tag}.json" "$keep_out"/ 2>/dev/null
-      done
-      OUT=$keep_out
-      "$PYTHON" - "$OUT" "$name" <<'PY'
-import glob, json, re, sys
-out, name = sys.argv[1], sys.argv[2]
-runs = {}
-for path in sorted(glob.glob(f"{out}/throughput_{name}_*_order[01].json")):
-    kind, order = re.search(r"_(fp8|bf16)_order(\d)\.json$", path).groups()
-    runs[kind, int(order)] = d = json.load(open(path))
-    bands = ", ".join(f"{b}: {v['seconds']:.2f}" for b, v in d.get("decode_host_gap_by_batch", {}).items())
-    print(f"{kind} order={order}: {d['output_tok_s']:,.0f} output tok/s, roofline "
-          f"{d.get('roofline_frac') or 0:.1%}, {d['seconds']:.2f} s; decode bands (s) {bands}")
-for order in (1, 0):
-    if ("fp8", order) in runs and ("bf16", order) in runs:
-        r = runs["fp8", order]["output_tok_s"] / runs["bf16", order]["output_tok_s"]
-        print(f"fp8 / bf16, {'longest first' if order else 'batch order'}: {r:.3f}x (goal 1.5x)")
+      # order (PAGEDKV_DECODE_ORDER=0): ORDER_RUNS lists KIND:ORDER, run in turn
+      ab_runs PAGEDKV_DECODE_ORDER order "${ORDER_RUNS:-fp8:1 bf16:1 fp8:0 bf16:0}"
+      ;;
+    silu)
+      # SiLU-and-multiply to fp8 recomputed (PAGEDATTN_SILU_FP8_RECOMPUTE_ROWS, the rows from
+      # which it recomputes rather than tiles) against always tiled: first the kernels at
+      # 16-16,384 rows (`bench.kernels --quant-only`), whose crossover sets SILU_ROWS unless
+      # given; then the runs of SILU_RUNS (KIND:ROWS, "auto" for that crossover) in turn
+      echo "=== quantization kernels"
+      if [[ "$SMOKE" == 1 ]]; then kargs=(--quick --quant-only); else kargs=(--quant-only); fi
+      kernel_bench kernels_quant kernels_quant 240 "quant M" "'silu_fp8'" "${kargs[@]}"
+      auto=$("$PYTHON" - "$OUT/kernels_quant.json" <<'PY'
+import json, sys
+try:
+    rows = [r for r in json.load(open(sys.argv[1]))["quant"] if "silu_recompute_us" in r]
+except (OSError, ValueError, KeyError):
+    rows = []
+# the fewest rows from which recomputing beats tiling at every size timed
+best = 1 << 30
+for r in sorted(rows, key=lambda r: -r["m"]):
+    if r["silu_recompute_us"] >= r["silu_tiled_us"]:
+        break
+    best = r["m"]
+print(best)
 PY
+)
+      echo "recompute from ${SILU_ROWS:=$auto} rows (the kernels' crossover: $auto)"
+      ab_runs PAGEDATTN_SILU_FP8_RECOMPUTE_ROWS silu "${SILU_RUNS:-fp8:auto bf16:auto fp8:1073741824}" "$SILU_ROWS"
       ;;
     rows256)
       PAGEDKV_FP8_MATMUL_MAX_ROWS=256 throughput _fp8_rows256 --kv-cache-dtype fp8 --quantization fp8

@@ -750,6 +750,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gemm-only", action="store_true",
                     help="only the fp8 GEMM rows and the quantization kernels that feed them "
                          "(gemm, gemm_layer, gemm_layer_fused, quant)")  # fmt: skip
+    ap.add_argument("--quant-only", action="store_true",
+                    help="only the quantization kernels (quant: per token, SiLU-and-multiply "
+                         "to fp8 each way)")  # fmt: skip
     args = ap.parse_args(argv)
     start = time.monotonic()
     if args.quick:
@@ -782,6 +785,8 @@ def main(argv: list[str] | None = None) -> dict:
     prefill: list[dict] = []
     decode: list[dict] = []
     fused: list[dict] = []
+    if args.quant_only:
+        args.gemm_only = True
     if args.gemm_only:
         args.fp8_only = args.no_sweeps = True
     if not args.fused_only and not args.gemm_only:
@@ -801,8 +806,10 @@ def main(argv: list[str] | None = None) -> dict:
             prefill_fp8 = kernels_fp8.bench_prefill_fp8(setup, gen, prefill)
         _warm_gpu(setup.device)
         quant = kernels_fp8.bench_quant(setup, copy_bw, gen)
-        gemm, gemm_layer = kernels_fp8.bench_gemm(setup, gen)
-        layer_fused = kernels_fp8.bench_layer_fused(setup, gen)
+        gemm, gemm_layer, layer_fused = [], [], []
+        if not args.quant_only:
+            gemm, gemm_layer = kernels_fp8.bench_gemm(setup, gen)
+            layer_fused = kernels_fp8.bench_layer_fused(setup, gen)
         fp8_sweep = []
         if not setup.quick and not args.no_sweeps:
             fp8_sweep = kernels_fp8.sweep_decode_fp8(setup, copy_bw, gen, start + args.budget_s)
