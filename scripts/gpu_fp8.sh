@@ -42,11 +42,6 @@
 #     the fp8 and the bf16 run with decode attention programs longest context first (the
 #     engine's default) and in batch order (PAGEDKV_DECODE_ORDER=0); ORDER_RUNS picks them
 #                                                  -> ..._{fp8,bf16}_order{1,0}.json
-#   bash scripts/gpu_fp8.sh silu               # ~5 min, carrying .gpu_data
-#     SiLU-and-multiply to fp8 tiled, per row and recomputed at 16-16,384 rows
-#     (`bench.kernels --quant-only`), then the fp8 run recomputing from their crossover, the
-#     bf16 run and the fp8 run always tiled (SILU_RUNS, SILU_ROWS)
-#                                                  -> kernels_quant.json, ..._{fp8,bf16}_silu*.json
 #   bash scripts/gpu_fp8.sh realcontexts       # ~1 min, carrying .gpu_data
 #     decode attention over real ShareGPT contexts at 32-768 sequences, in batch order and
 #     longest first, both caches                   -> decode_realcontexts.json
@@ -280,32 +275,6 @@ PY
       # decode attention programs longest context first (the engine's default) against batch
       # order (PAGEDKV_DECODE_ORDER=0): ORDER_RUNS lists KIND:ORDER, run in turn
       ab_runs PAGEDKV_DECODE_ORDER order "${ORDER_RUNS:-fp8:1 bf16:1 fp8:0 bf16:0}"
-      ;;
-    silu)
-      # SiLU-and-multiply to fp8 recomputed (PAGEDATTN_SILU_FP8_RECOMPUTE_ROWS, the rows from
-      # which it recomputes rather than tiles) against always tiled: first the kernels at
-      # 16-16,384 rows (`bench.kernels --quant-only`), whose crossover sets SILU_ROWS unless
-      # given; then the runs of SILU_RUNS (KIND:ROWS, "auto" for that crossover) in turn
-      echo "=== quantization kernels"
-      if [[ "$SMOKE" == 1 ]]; then kargs=(--quick --quant-only); else kargs=(--quant-only); fi
-      kernel_bench kernels_quant kernels_quant 240 "quant M" "'silu_fp8'" "${kargs[@]}"
-      auto=$("$PYTHON" - "$OUT/kernels_quant.json" <<'PY'
-import json, sys
-try:
-    rows = [r for r in json.load(open(sys.argv[1]))["quant"] if "silu_recompute_us" in r]
-except (OSError, ValueError, KeyError):
-    rows = []
-# the fewest rows from which recomputing beats tiling at every size timed
-best = 1 << 30
-for r in sorted(rows, key=lambda r: -r["m"]):
-    if r["silu_recompute_us"] >= r["silu_tiled_us"]:
-        break
-    best = r["m"]
-print(best)
-PY
-)
-      echo "recompute from ${SILU_ROWS:=$auto} rows (the kernels' crossover: $auto)"
-      ab_runs PAGEDATTN_SILU_FP8_RECOMPUTE_ROWS silu "${SILU_RUNS:-fp8:auto bf16:auto fp8:1073741824}" "$SILU_ROWS"
       ;;
     rows256)
       PAGEDKV_FP8_MATMUL_MAX_ROWS=256 throughput _fp8_rows256 --kv-cache-dtype fp8 --quantization fp8

@@ -167,41 +167,26 @@ def test_equals_the_unfused_composition(target, seed, op, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_silu_and_mul_fp8_tiled_per_row_and_recomputed(target, seed, dtype):
-    """The three Triton ways to quantize SiLU-and-multiply's rows give the unfused
-    composition's bits: tiled (the products and each tile's largest magnitude per row, then
-    the tiles quantized from those maxima; here with rows split into several tiles, the last
-    partial), a program per row, and a program per row in two passes that computes the
-    products twice (in several column blocks, the last partial)."""
+def test_silu_and_mul_fp8_tiled_and_per_row(target, seed, dtype):
+    """Both Triton ways to quantize SiLU-and-multiply's rows give the unfused composition's
+    bits: tiled (the products and each tile's largest magnitude per row, then the tiles
+    quantized from those maxima; here with rows split into several tiles, the last partial)
+    and a program per row."""
     if target.backend != "triton":
-        pytest.skip("the launches are Triton's")
+        pytest.skip("the two launches are Triton's")
     from pagedattn_kernels.fused import triton_launch
     from pagedattn_kernels.quant import triton_launch as quant_launch
 
     rows, width = (300, 14336) if target.full else (6, 5000)
     x, residual, weight, eps = _inputs(target, seed, rows, width, dtype, silu=True)
     want = _unfused("silu_and_mul_fp8", x, residual, weight, eps, target.backend)
-    for method in triton_launch.SILU_FP8_METHODS:
-        q = torch.full((rows, width), 1.0, dtype=FP8, device=x.device)  # no stale zeros
-        scale = torch.full((rows, 1), -1.0, device=x.device)
-        block = 1024 if method == "recompute" else None  # 5 blocks of 5,000 (7 of 14,336)
-        triton_launch.silu_and_mul(x, x, width, fp8_out=(q, scale), method=method, block=block)
-        what = f"{method} {rows}x{width} {dtype} seed={seed}"
+    for tiled in (True, False):
+        q = torch.empty(rows, width, dtype=FP8, device=x.device)
+        scale = torch.empty(rows, 1, device=x.device)
+        triton_launch.silu_and_mul(x, x, width, fp8_out=(q, scale), tiled=tiled)
+        what = f"tiled={tiled} {rows}x{width} {dtype} seed={seed}"
         _assert_same_fp8((q, scale), want, what)
     assert quant_launch.tile_shape(rows, width, not target.full)[1] < width  # several tiles
-    with pytest.raises(ValueError, match="unknown method"):
-        triton_launch.silu_and_mul(x, x, width, fp8_out=(q, scale), method="fast")
-
-
-def test_silu_fp8_method_by_rows(monkeypatch):
-    """Compiled: tiled below SILU_FP8_RECOMPUTE_ROWS rows, recomputed from there; the
-    interpreter: a program per row."""
-    from pagedattn_kernels.fused import triton_launch
-
-    monkeypatch.setattr(triton_launch, "SILU_FP8_RECOMPUTE_ROWS", 256)
-    assert triton_launch.silu_fp8_method(255, interpreted=False) == "tiled"
-    assert triton_launch.silu_fp8_method(256, interpreted=False) == "recompute"
-    assert triton_launch.silu_fp8_method(4096, interpreted=True) == "per_row"
 
 
 # --------------------------------------------------------------------------- shapes and strides

@@ -29,7 +29,6 @@ matmul there is the dequantizing fallback): a smoke run, not a measurement.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -385,9 +384,6 @@ def bench_layer_fused(setup: Setup, gen: torch.Generator) -> list[dict]:
 
 
 QUANT_TOKENS = [16, 64, 128, 256, 384, 512, 768, 1024, 4096, 16384]
-#: Other (columns per step, warps) of the recomputing SiLU-and-multiply to fp8, timed beside
-#: its default (``RECOMPUTE_BLOCK``, ``RECOMPUTE_WARPS``).
-RECOMPUTE_CONFIGS = [(1024, 4), (2048, 8), (4096, 16)]
 
 
 def _fp8_rows(m: int, cols: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,30 +426,25 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
             fns = {"per_row": per_row, "tiled": tiled}
             if cols == widths[-1]:
                 g = torch.randn(m, 2 * cols, generator=gen, device=dev).to(dtype)
-                silu_out = {k: _fp8_rows(m, cols, dev) for k in fused_launch.SILU_FP8_METHODS}
-                silu_out.update({f"recompute_{b}x{w}": _fp8_rows(m, cols, dev)
-                                 for b, w in RECOMPUTE_CONFIGS})  # fmt: skip
+                silu_out = {k: _fp8_rows(m, cols, dev) for k in ("per_row", "tiled")}
 
-                def silu(method: str, g=g, cols=cols, block=None, warps=None,
-                         silu_out=silu_out) -> Callable:
-                    o = silu_out[method if block is None else f"recompute_{block}x{warps}"]
-                    return lambda: fused_launch.silu_and_mul(
-                        g, g, cols, fp8_out=o, method=method, block=block, num_warps=warps)
+                def silu_per_row(g=g, o=silu_out["per_row"], cols=cols) -> None:
+                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=False)
+
+                def silu_tiled(g=g, o=silu_out["tiled"], cols=cols) -> None:
+                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=True)
 
                 def silu_then_quant(g=g) -> Any:
                     return pk.quantize_fp8_per_token(pk.silu_and_mul(g))
 
-                fns.update({f"silu_{k}": silu(k) for k in fused_launch.SILU_FP8_METHODS})
-                fns.update({f"silu_recompute_{b}x{w}": silu("recompute", block=b, warps=w)
-                            for b, w in RECOMPUTE_CONFIGS})  # fmt: skip
-                fns["silu_then_quant"] = silu_then_quant
+                fns.update(silu_per_row=silu_per_row, silu_tiled=silu_tiled,
+                           silu_then_quant=silu_then_quant)  # fmt: skip
             for fn in fns.values():
                 fn()
             row: dict[str, Any] = {"m": m, "cols": cols,
                                    "same": _same_fp8(outs["per_row"], outs["tiled"])}  # fmt: skip
             if "silu_tiled" in fns:
-                row["silu_same"] = all(_same_fp8(silu_out["per_row"], o)
-                                       for o in silu_out.values())  # fmt: skip
+                row["silu_same"] = _same_fp8(silu_out["per_row"], silu_out["tiled"])
             for name, fn in fns.items():
                 seconds = _time_graph(fn, dev) or _time(fn, dev)
                 need = m * cols * (2 * x.element_size() if name.startswith("silu") else
@@ -464,15 +455,11 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
             if "silu_tiled_us" in row:
                 row["silu_tiled_vs_per_row"] = row["silu_per_row_us"] / row["silu_tiled_us"]
                 row["silu_tiled_vs_unfused"] = row["silu_then_quant_us"] / row["silu_tiled_us"]
-                row["silu_recompute_vs_tiled"] = row["silu_tiled_us"] / row["silu_recompute_us"]
             print(f"quant M={m:<5d} cols={cols:<6d} per row {row['per_row_us']:7.1f} us "
                   f"({100 * row['per_row_bw_frac']:4.1f}%)  tiled {row['tiled_us']:7.1f} us "
                   f"({100 * row['tiled_bw_frac']:4.1f}%)  same: {row['same']}"
                   + (f" | silu fp8 per row {row['silu_per_row_us']:7.1f} tiled "
-                     f"{row['silu_tiled_us']:7.1f} recomputed {row['silu_recompute_us']:7.1f} ("
-                     + " ".join(f"{b}x{w} {row[f'silu_recompute_{b}x{w}_us']:.1f}"
-                                for b, w in RECOMPUTE_CONFIGS)
-                     + f") silu+quant {row['silu_then_quant_us']:7.1f} us"
+                     f"{row['silu_tiled_us']:7.1f} silu+quant {row['silu_then_quant_us']:7.1f} us"
                      f" same: {row['silu_same']}" if "silu_tiled_us" in row else ""),
                   flush=True)  # fmt: skip
             rows.append(row)

@@ -439,7 +439,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "kv_cache_dtype": engine.args.kv_cache_dtype,
                     "quantization": engine.args.quantization or "none",
                     "max_num_seqs": engine.args.max_num_seqs,
-                    "triton_compiles_during_run": len(compiled), "env": env}
+                    "triton_compiles_during_run": len(compiled),
+                    "triton_compiled_during_run": list(compiled), "env": env}
 
     if args.roofline if args.roofline is not None else cuda:
         if not cuda:

@@ -176,19 +176,6 @@ def rms_norm_kernel(
                  mask=mask)  # fmt: skip
 
 
-@triton.jit
-def _silu_mul(g, u, like_ptr, ROUND: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """``silu(g) * u`` (fp32 in and out) with torch's roundings: silu as torch computes it,
-    ``g / (1 + expf(-g))``, rounded to the element type of ``like_ptr`` before the product,
-    and the product rounded too."""
-    if LIBDEVICE:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    s = _round(tl.math.div_rn(g, 1.0 + e), like_ptr, ROUND)
-    return _round(s * u, like_ptr, ROUND)
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def silu_and_mul_kernel(
     out_ptr,
@@ -232,7 +219,12 @@ def silu_and_mul_kernel(
     gate_ptrs = x_ptr + r64 * stride_x + cols[None, :]
     g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_ptrs + INTER, mask=mask, other=0.0).to(tl.float32)
-    y = _silu_mul(g, u, out_ptr, ROUND, LIBDEVICE)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = _round(tl.math.div_rn(g, 1.0 + e), out_ptr, ROUND)
+    y = _round(s * u, out_ptr, ROUND)
     if QUANT:
         _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale,
                         QUANT)  # fmt: skip
@@ -243,55 +235,6 @@ def silu_and_mul_kernel(
             amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
             tl.store(partial_ptr + rows.to(tl.int64) * chunks + tl.program_id(1), amax,
                      mask=row_ok)  # fmt: skip
-
-
-@triton.jit
-def silu_and_mul_fp8_recompute_kernel(
-    like_ptr,
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    stride_x,
-    stride_q,
-    min_scale,
-    INTER: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROUND: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-    E4M3: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """SiLU-and-multiply of one row (grid: (rows,)) quantized per token to e4m3, in two
-    passes over the row's columns, BLOCK at a time: the products and their largest magnitude,
-    then the same products again, quantized with the row's scale (``like_ptr`` gives the
-    model dtype of the roundings). The products are computed twice rather than stored: the
-    second pass re-reads gate and up, mostly from L2 (a Llama-3-8B row is 56 KB), where the
-    tiled pair writes the products in the model dtype and reads them back. The bits are
-    ``quantize_fp8_per_token`` of ``silu_and_mul``'s rows, as the other two ways give."""
-    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
-        gdc_wait()
-        gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    gate = x_ptr + row * stride_x
-    c = tl.arange(0, BLOCK)
-    amax = tl.full([BLOCK], 0.0, tl.float32)
-    for start in range(0, INTER, BLOCK):
-        mask = start + c < INTER
-        g = tl.load(gate + start + c, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gate + INTER + start + c, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(_silu_mul(g, u, like_ptr, ROUND, LIBDEVICE)))
-    scale = tl.maximum(
-        tl.math.div_rn(tl.reduce(amax, 0, tl.standard._elementwise_max), 448.0), min_scale
-    )
-    tl.store(scale_ptr + row, scale)
-    recip = tl.math.div_rn(1.0, scale)
-    for start in range(0, INTER, BLOCK):
-        mask = start + c < INTER
-        g = tl.load(gate + start + c, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gate + INTER + start + c, mask=mask, other=0.0).to(tl.float32)
-        y = _silu_mul(g, u, like_ptr, ROUND, LIBDEVICE)
-        v = tl.minimum(tl.maximum(_quotient(y, scale, recip), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_q + start + c, _e4m3(v, E4M3), mask=mask)
 
 
 @triton.jit

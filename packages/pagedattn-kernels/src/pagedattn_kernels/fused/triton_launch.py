@@ -11,7 +11,6 @@ rounds twice.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -119,64 +118,29 @@ def _quant_mode(kernel: object, x: torch.Tensor, fp8_out: object) -> int:
     return e4m3_encoder(kernel, x.device) if fp8_out is not None else 0
 
 
-#: The ways ``silu_and_mul`` quantizes its rows to fp8 (see there).
-SILU_FP8_METHODS = ("per_row", "tiled", "recompute")
-#: Rows from which compiled SiLU-and-multiply to fp8 recomputes rather than tiles (see
-#: ``silu_and_mul``); ``$PAGEDATTN_SILU_FP8_RECOMPUTE_ROWS`` sets it for A/B runs.
-SILU_FP8_RECOMPUTE_ROWS = int(os.environ.get("PAGEDATTN_SILU_FP8_RECOMPUTE_ROWS", "256"))
-#: The recompute kernel's columns per step and warps: 16 warps keep at most 4 programs an SM,
-#: so the rows its second pass re-reads (about 4 x 132 x 56 KB on an H200) stay in L2.
-RECOMPUTE_BLOCK = 2048
-RECOMPUTE_WARPS = 16
-
-
-def silu_fp8_method(num_rows: int, interpreted: bool) -> str:
-    """The default way for ``num_rows`` rows: a program per row in the interpreter (where
-    programs cost most); compiled, tiled below ``SILU_FP8_RECOMPUTE_ROWS`` rows and
-    recomputed from there."""
-    if interpreted:
-        return "per_row"
-    return "recompute" if num_rows >= SILU_FP8_RECOMPUTE_ROWS else "tiled"
-
-
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
                  fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 method: str | None = None, block: int | None = None,
-                 num_warps: int | None = None) -> None:  # fmt: skip
+                 tiled: bool | None = None) -> None:  # fmt: skip
     """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``, or
     with ``fp8_out = (q [rows, inter] e4m3, scale [rows, 1] float32)`` quantized per token
-    there (``out`` then only gives the dtype and is not written), one of three ways
-    (``method``, None: ``silu_fp8_method``), all giving the same bits:
+    there (``out`` then only gives the dtype and is not written), tiled or a program per row.
 
-    - ``per_row``: a program holds a whole row in registers;
-    - ``tiled``: the products in the model dtype with each tile's largest magnitude per row,
-      then the tiles quantized from those maxima (two kernels);
-    - ``recompute``: a program per row in two passes, the products computed twice
-      (``silu_and_mul_fp8_recompute_kernel``; ``block`` and ``num_warps`` override
-      ``RECOMPUTE_BLOCK`` and ``RECOMPUTE_WARPS``, for benchmarks).
-
-    On an H200 (Llama-3-8B's 14,336, CUDA graphs, dda1cca) tiled took 3.7 / 10.1 / 19.7 / 37.4
-    us at 16 / 256 / 512 / 1,024 rows against 6.5 / 12.6 / 24.5 / 50.9 for a program per row
-    (98 registers x 512 threads: one program per SM, whose load, reduction and store phases
-    do not overlap) and 4.3 / 10.2 / 21.3 / 44.2 for the plain kernel then the quantization
-    (``python -m pagedkv.bench.kernels --gemm-only``, ``quant[]``). A 16,384-token prefill
-    pass spent 20.9 ms of its 211 in the tiled pair (21de09d, ``gpu_fp8.sh prefill``), about
-    twice the bytes it needs: hence ``recompute``, which reads gate and up once from memory
-    and writes only the e4m3 codes."""
+    ``tiled`` None: tiled when compiled. On an H200 (Llama-3-8B's 14,336, CUDA graphs, dda1cca)
+    tiled took 3.7 / 10.1 / 19.7 / 37.4 us at 16 / 256 / 512 / 1,024 rows against 6.5 / 12.6 /
+    24.5 / 50.9 for a program per row (98 registers x 512 threads: one program per SM, whose
+    load, reduction and store phases do not overlap) and 4.3 / 10.2 / 21.3 / 44.2 for the plain
+    kernel then the quantization (``python -m pagedkv.bench.kernels --gemm-only``,
+    ``quant[]``). A program per row in the interpreter, where programs cost most."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
     kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
     interpreted = is_interpreted(kernel)
     if fp8_out is not None:
-        method = method or silu_fp8_method(num_rows, interpreted)
-        if method not in SILU_FP8_METHODS:
-            raise ValueError(f"unknown method {method!r}; one of {', '.join(SILU_FP8_METHODS)}")
-        if method == "tiled":
+        if tiled is None:
+            tiled = not interpreted
+        if tiled:
             _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out)
-            return
-        if method == "recompute":
-            _silu_and_mul_fp8_recompute(x, inter, *fp8_out, block, num_warps)
             return
     out2 = row_view(out, inter) if fp8_out is None else x
     num_warps = 4
@@ -200,23 +164,6 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
         LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), AMAX=False,
         PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
-    )  # fmt: skip
-
-
-def _silu_and_mul_fp8_recompute(x: torch.Tensor, inter: int, q: torch.Tensor,
-                                scale: torch.Tensor, block: int | None,
-                                num_warps: int | None) -> None:  # fmt: skip
-    kernel = kernels_for(x.device, KERNELS).silu_and_mul_fp8_recompute_kernel
-    interpreted = is_interpreted(kernel)
-    if block is None:
-        cap = _INTERPRETER_TILE if interpreted else RECOMPUTE_BLOCK
-        block = min(next_power_of_2(inter), cap)
-    pdl = use_pdl(x.device)
-    kernel[(x.shape[0],)](
-        x, x, q, scale, x.stride(0), q.stride(0), MIN_SCALE, INTER=inter, BLOCK=block,
-        ROUND=_round_mode(x.dtype, interpreted), LIBDEVICE=not interpreted,
-        E4M3=e4m3_encoder(kernel, x.device), PDL=pdl, launch_pdl=pdl,
-        num_warps=num_warps or (4 if interpreted else RECOMPUTE_WARPS), enable_fp_fusion=False,
     )  # fmt: skip
 
 
