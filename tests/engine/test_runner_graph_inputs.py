@@ -14,6 +14,7 @@ import torch
 
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
+from pagedkv.engine.worker import inputs as inputs_module
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, slot_mapping
 from pagedkv.engine.worker.model_runner import ModelRunner
@@ -132,10 +133,12 @@ def test_slot_mapping_is_kvblocks_rule() -> None:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_mixed_batch_splits_decodes_from_prefills(runner: ModelRunner, backend, monkeypatch) -> None:
     """A batch of decodes followed by prompt chunks gives the logits of the two run apart:
-    the decodes through the flash-decoding kernel, the chunks through the prefill kernel."""
+    the decodes through the flash-decoding kernel (with the Triton kernel, its programs
+    longest context first, as on a GPU), the chunks through the prefill kernel."""
     monkeypatch.setenv("PAGEDATTN_BACKEND", backend)
     if backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(inputs_module, "ORDER_DEVICES", ("cuda", "cpu"))
     rng = random.Random(1)
     blocks = list(range(runner.num_gpu_blocks))
     rng.shuffle(blocks)
@@ -149,6 +152,8 @@ def test_mixed_batch_splits_decodes_from_prefills(runner: ModelRunner, backend, 
     chunks = [(prompts[3][:20], 0, tables[3]), (prompts[4], 0, tables[4])]
     inputs, _ = build_inputs(_batch(decodes + chunks, [0]), runner.block_size, runner.device)
     assert inputs.meta.num_decode_seqs == 3
+    if backend == "triton":  # the decode rows' order: contexts of 10, 18 and 5 tokens
+        assert inputs.meta.decode_order.tolist() == [1, 0, 2]
     before = runner.kv_cache.clone()
     mixed = _eager(runner, _batch(decodes + chunks, [0, 1, 2, 3, 4]))
     runner.kv_cache.copy_(before)

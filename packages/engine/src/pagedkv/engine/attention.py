@@ -70,9 +70,9 @@ class AttentionMetadata:
     # to the prefill kernel, whose query tiles would be mostly empty for single tokens.
     num_decode_seqs: int = 0
     prefill_cu_query_lens: torch.Tensor | None = None
-    # Decode-only steps on a GPU: the rows in the order their attention programs should start,
-    # longest context first (`worker.inputs.longest_first`; the kernel's `seq_order`). None:
-    # batch order.
+    # Decode rows on a GPU (a decode-only step's, or a mixed pass's leading `num_decode_seqs`):
+    # the order their attention programs should start, longest context first
+    # (`worker.inputs.longest_first`; the kernel's `seq_order`). None: batch order.
     decode_order: torch.Tensor | None = None
 
     @property
@@ -173,6 +173,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 max_seq_len=meta.max_seq_len,
                 out=out[:nd],
+                seq_order=meta.decode_order,
                 **scales,
             )
             pagedattn_kernels.paged_attention(

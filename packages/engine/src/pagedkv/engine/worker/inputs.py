@@ -118,9 +118,12 @@ def pack_tables(tables: list[list[int]], out: torch.Tensor) -> int:
     return width
 
 
-#: Whether decode steps on a GPU order their attention programs (``longest_first``);
+#: Whether decode rows on a GPU order their attention programs (``longest_first``);
 #: ``PAGEDKV_DECODE_ORDER=0`` (read at import) keeps batch order, for A/B runs.
 DECODE_ORDER = os.environ.get("PAGEDKV_DECODE_ORDER", "1") != "0"
+#: The devices whose decode attention takes an order: the Triton kernel's schedule (the
+#: CPU's torch attention has none).
+ORDER_DEVICES = ("cuda",)
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -130,6 +133,20 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     thousand lengths, a few microseconds; it keeps a long context that comes late in the
     batch from running on alone after every other program has finished."""
     return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+
+
+def _decode_order(seq_lens: torch.Tensor, rows: int,
+                  device: torch.device) -> torch.Tensor | None:  # fmt: skip
+    """``longest_first`` of the first ``rows`` sequences (a decode step's, or the leading
+    decode rows of a mixed pass) on ``device``; None without decode rows, off an
+    ``ORDER_DEVICES`` device, or with ``DECODE_ORDER`` off. A mixed pass's decode rows take
+    the order too: then its decode kernel is the variant the decode graphs compiled at
+    start-up, where without an order the first mixed pass of a run compiled another (about a
+    second each on an H200, twice on an fp8 cache: ``triton_compiled_during_run`` of
+    ``bench.throughput``, 2baf0a1)."""
+    if not rows or device.type not in ORDER_DEVICES or not DECODE_ORDER:
+        return None
+    return longest_first(seq_lens[:rows]).to(device, non_blocking=True)
 
 
 def build_inputs(
@@ -171,9 +188,7 @@ def build_inputs(
         num_decode_seqs=num_decode,
         prefill_cu_query_lens=(cu[num_decode:] - num_decode).to(device, non_blocking=True)
         if num_decode else None,
-        # the Triton kernel's schedule (the CPU's torch attention has none)
-        decode_order=longest_first(seq_lens).to(device, non_blocking=True)
-        if max_q == 1 and device.type == "cuda" and DECODE_ORDER else None,
+        decode_order=_decode_order(seq_lens, num_seqs if max_q == 1 else num_decode, device),
     )
     inputs = StepInputs(
         input_ids=host_tensor(ids).to(device, non_blocking=True),
