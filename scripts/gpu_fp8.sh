@@ -175,6 +175,21 @@ engine_shapes() {  # engine_shapes TAG [decode_fp8_engine_shapes.py options...]:
   grep -E "B=|best|rror" "$OUT/$tag.log" | grep -v " run " | sed 's/^.*INFO[^B]*//' | tail -60
 }
 
+step_profiles() {  # step_profiles TAG TITLE [decode_step options...]: bf16 then fp8 weights
+  # and cache, PDL off (under it a kernel's time includes its wait for the one before)
+  local tag=$1 title=$2 kind extra; shift 2
+  for kind in bf16 fp8; do
+    extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+    echo "=== $title ($kind)"
+    PAGEDATTN_PDL=0 timeout 240 "$PYTHON" -m pagedkv.bench.decode_step "$@" \
+      "${model[@]}" "${extra[@]}" --max-model-len 2048 --max-num-seqs "${MAX_NUM_SEQS:-1024}" \
+      --max-num-batched-tokens "${MAX_BATCHED:-16384}" \
+      --output-json "$OUT/${tag}_${kind}.json" > "$OUT/${tag}_${kind}.log" 2>&1
+    echo "    exit $?"
+    grep -vE " INFO |Warn|warn_once" "$OUT/${tag}_${kind}.log" | head -"${PROFILE_LINES:-120}"
+  done
+}
+
 ab_runs() {  # ab_runs VAR TAG "KIND:VALUE ..." [AUTO]: each run with VAR=VALUE ("auto": AUTO),
   # -> throughput_NAME_KIND_TAGVALUE.json in turn (a call cut short keeps the finished ones),
   # then each run's figures and each fp8 run's ratio to each bf16 run
@@ -334,33 +349,15 @@ PY
       # cache (the attention's share before and after the per-sequence flash-decoding split);
       # without PDL, under which a kernel's time includes its wait for the one before
       if [[ "$SMOKE" == 1 ]]; then echo "=== profile: needs a GPU (skipped in a smoke run)"; continue; fi
-      for kind in bf16 fp8; do
-        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
-        echo "=== decode step profile ($kind)"
-        PAGEDATTN_PDL=0 timeout 240 "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes "${PROFILE_BATCHES:-16,48}" \
-          --context "${PROFILE_CONTEXT:-900}" --steps 16 --warmup-steps 4 --profile-steps 4 \
-          "${model[@]}" "${extra[@]}" --max-model-len 2048 --max-num-seqs "${MAX_NUM_SEQS:-1024}" \
-          --max-num-batched-tokens "${MAX_BATCHED:-16384}" \
-          --output-json "$OUT/decode_profile_${kind}.json" > "$OUT/decode_profile_${kind}.log" 2>&1
-        echo "    exit $?"
-        grep -vE " INFO |Warn|warn_once" "$OUT/decode_profile_${kind}.log" | head -${PROFILE_LINES:-120}
-      done
+      step_profiles decode_profile "decode step profile" --batch-sizes "${PROFILE_BATCHES:-16,48}" \
+        --context "${PROFILE_CONTEXT:-900}" --steps 16 --warmup-steps 4 --profile-steps 4
       ;;
     prefill)
       # A prefill pass of the run's size (16,384 tokens of prompts of the real ShareGPT mean,
       # 246 tokens) by kernel family, bf16 then fp8 weights and cache, PDL off
       if [[ "$SMOKE" == 1 ]]; then echo "=== prefill: needs a GPU (skipped in a smoke run)"; continue; fi
-      for kind in bf16 fp8; do
-        extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
-        echo "=== prefill pass profile ($kind)"
-        PAGEDATTN_PDL=0 timeout 240 "$PYTHON" -m pagedkv.bench.decode_step \
-          --prefill-prompt-len "${PREFILL_PROMPT_LEN:-246}" --prefill-passes 4 --profile-steps 2 \
-          "${model[@]}" "${extra[@]}" --max-model-len 2048 --max-num-seqs "${MAX_NUM_SEQS:-1024}" \
-          --max-num-batched-tokens "${MAX_BATCHED:-16384}" \
-          --output-json "$OUT/prefill_profile_${kind}.json" > "$OUT/prefill_profile_${kind}.log" 2>&1
-        echo "    exit $?"
-        grep -vE " INFO |Warn|warn_once" "$OUT/prefill_profile_${kind}.log" | head -${PROFILE_LINES:-120}
-      done
+      step_profiles prefill_profile "prefill pass profile" \
+        --prefill-prompt-len "${PREFILL_PROMPT_LEN:-246}" --prefill-passes 4 --profile-steps 2
       ;;
     pdl)
       # A decode step with and without programmatic dependent launch (PAGEDATTN_PDL=1/0), bf16
