@@ -14,6 +14,10 @@ CUDA graphs, say) moves the mean of 32 steps by tens of percent (measured on an 
     python -m pagedkv.bench.decode_step --batch-sizes 1,64,256 --context 490 \\
         --model meta-llama/Meta-Llama-3-8B --load-format dummy --dtype bfloat16
 
+`--prefill-prompt-len N` times prefill passes instead (or first): each a step's whole token
+budget of fresh prompts of about N tokens (`measure_prefill`); with `--profile-steps` both
+print the GPU time by kernel.
+
 `--sweep-json PATH` takes the batch sizes from a `bench serve --request-rates` result (each
 rate's `batch_size_median`) and the context from its requests (the mean context over every
 generated token of the same seeded workload), and writes back into that file each rate's
@@ -465,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-passes", type=int, default=4,
                         help="timed prefill passes (after one untimed)")
     parser.add_argument("--output-json", default=None, metavar="PATH",
-                        help="with --batch-sizes: write the results here")
+                        help="with --batch-sizes or --prefill-prompt-len: write the results "
+                        "here")
     parser.add_argument("--log-level", default="INFO")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
