@@ -137,6 +137,15 @@ def test_torch_decode_rows_do_not_depend_on_the_batch(seed):
         torch.set_num_threads(before)
 
 
+def _decode_batch(target, gen, lens, dtype):
+    """One query token per sequence of ``lens`` over a random paged cache: 8 query heads on 2
+    KV heads of 64, blocks of 16 (the order and split tests' shape)."""
+    return random_paged_batch(
+        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=dtype, device=target.device,
+    )  # fmt: skip
+
+
 def _poisoned_scratch(target, monkeypatch):
     """The Triton launchers with the flash-decoding scratch memory filled with NaN (so that a
     merge reading one partial too many shows); skips the torch backend."""
@@ -160,10 +169,7 @@ def test_split_sequences_divide_their_own_length(target, seed, hint, monkeypatch
     triton_launch = _poisoned_scratch(target, monkeypatch)
     gen = target.generator(seed)
     lens = [520, 130, 1000, 0, 17, 300] + ([4099, 9000] if target.full else [])
-    batch = random_paged_batch(
-        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-        dtype=F32, device=target.device,
-    )  # fmt: skip
+    batch = _decode_batch(target, gen, lens, F32)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
     ref = reference.paged_decode_attention(*args)
     bound = max(lens) if hint == "exact" else 4 * max(lens)
@@ -181,10 +187,7 @@ def test_decode_in_any_sequence_order(target, seed, splits):
     16-bit and the fp8 cache."""
     gen = target.generator(seed)
     lens = [520, 0, 17, 1000, 130, 64, 1, 300] + ([4099, 9000] if target.full else [])
-    batch = random_paged_batch(
-        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-        dtype=BF16, device=target.device,
-    )  # fmt: skip
+    batch = _decode_batch(target, gen, lens, BF16)
     fp8 = {"k_scale": torch.tensor([0.25], device=target.device),
            "v_scale": torch.tensor([0.5], device=target.device)}  # fmt: skip
     caches = [((batch.key_cache, batch.value_cache), {}),
@@ -214,10 +217,7 @@ def test_forced_splits_keep_a_least_partition(target, seed, monkeypatch):
     triton_launch = _poisoned_scratch(target, monkeypatch)
     gen = target.generator(seed)
     lens = [1300, 20, 600, 0, 513, 1, 2048, 90]
-    batch = random_paged_batch(
-        gen, lens, [1] * len(lens), num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-        dtype=BF16, device=target.device,
-    )  # fmt: skip
+    batch = _decode_batch(target, gen, lens, BF16)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
     ref = reference.paged_decode_attention(*args)
     cfg = triton_launch.DecodeConfig(tile_n=32, num_warps=1, num_stages=1, per_sm=1)

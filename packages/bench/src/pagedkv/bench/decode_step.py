@@ -259,6 +259,7 @@ def measure_prefill(engine: Any, prompt_len: int, passes: int,
     from pagedkv.engine.sampling_params import SamplingParams
 
     budget = int(engine.args.max_num_batched_tokens)
+    max_seqs = int(engine.args.max_num_seqs)
     max_len = int(engine.model_config.max_model_len)
     vocab = int(engine.model_config.vocab_size)
     if not 1 <= prompt_len < max_len:
@@ -268,9 +269,11 @@ def measure_prefill(engine: Any, prompt_len: int, passes: int,
 
     def one_pass(tag: str, events: list[Any] | None = None) -> tuple[float, int]:
         lengths: list[int] = []
-        while sum(lengths) < budget and len(lengths) < int(engine.args.max_num_seqs):
+        total = 0
+        while total < budget and len(lengths) < max_seqs:
             n = rng.randint(max(prompt_len // 2, 1), min(prompt_len * 3 // 2, max_len - 1))
-            lengths.append(min(n, budget - sum(lengths)))
+            lengths.append(min(n, budget - total))
+            total += lengths[-1]
         ids = [f"prefill-{tag}-{i}" for i in range(len(lengths))]
         for rid, n in zip(ids, lengths):
             engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(n)], params)
@@ -288,9 +291,9 @@ def measure_prefill(engine: Any, prompt_len: int, passes: int,
         while engine.has_unfinished_requests():
             engine.step()
         if not scheduled_all:
-            raise RuntimeError(f"{len(lengths)} prompts of {sum(lengths)} tokens did not "
-                               "prefill in one pass: raise --max-num-seqs or lower the length")
-        return elapsed, sum(lengths)
+            raise RuntimeError(f"{len(lengths)} prompts of {total} tokens did not prefill in "
+                               "one pass: raise --max-num-seqs or lower the length")
+        return elapsed, total
 
     one_pass("warmup")
     times, tokens = [], 0
