@@ -44,6 +44,7 @@ import torch
 import triton.testing
 from variant_cli import start, write_result
 
+from pagedattn_kernels.attention import plan as decode_plan
 from pagedattn_kernels.attention import triton_launch as tl_launch
 
 log = logging.getLogger("decode_fp8_engine_shapes")
@@ -112,7 +113,7 @@ def bound(context: int) -> int:
     return max(MAX_MODEL_LEN, context)
 
 
-def attend(q, kv, tables, lens, out, config=None, splits=None, min_partition=None):
+def attend(q, kv, tables, lens, out, config=None, splits=None, min_partition=None, plan=None):
     kc, vc = kv
     scales = {}
     if kc.dtype == FP8:
@@ -121,7 +122,22 @@ def attend(q, kv, tables, lens, out, config=None, splits=None, min_partition=Non
     return tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5,
                                             tables.shape[1] * BLOCK, out, num_splits=splits,
                                             config=config, min_partition=min_partition,
-                                            **scales)  # fmt: skip
+                                            plan=plan, **scales)  # fmt: skip
+
+
+def graph_plan(host_lens: list[int], dtype: torch.dtype, config, min_chunk: int):
+    """The decode plan of these contexts as the engine's CUDA graphs stage it (padded to its
+    capacity), for ``config`` (None: the automatic one), on the GPU."""
+    batch = len(host_lens)
+    cfg = config or tl_launch.decode_config(HEAD_DIM, torch.bfloat16, False, dtype,
+                                            batch * KV_HEADS)  # fmt: skip
+    lanes = max(1, cfg.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                // KV_HEADS)  # fmt: skip
+    built = decode_plan.build_plan(host_lens, lanes, cfg.tile_n,
+                                   size=decode_plan.capacity(batch, lanes), min_chunk=min_chunk)
+    log.info("plan B=%d min chunk %d: %d items, %d split rows, %d lanes", batch, min_chunk,
+             built.num_items, int((built.merges[:, 0] >= 0).sum()), lanes)  # fmt: skip
+    return built.to("cuda")
 
 
 def check() -> int:
@@ -148,6 +164,17 @@ def check() -> int:
         err = float((got.double() - ref.double()).abs().max())
         bad += not err < 2e-2
         log.info("%s splits=%s: max |diff| %.1e %s", cfg, splits, err, "ok" if err < 2e-2 else "WRONG")
+    for cfg in CONFIGS:  # plans, as graph_plan builds them, with chunks of one tile allowed
+        lanes = max(1, cfg.per_sm * 4 // KV_HEADS)
+        plan = decode_plan.build_plan(lens.tolist(), lanes, cfg.tile_n,
+                                      size=decode_plan.capacity(batch, lanes),
+                                      min_chunk=cfg.tile_n).to(dev)  # fmt: skip
+        got = tl_launch.paged_decode_attention(q, kc, vc, tables, lens, HEAD_DIM**-0.5,
+                                               context, torch.empty_like(q), config=cfg,
+                                               k_scale=one, v_scale=one, plan=plan)  # fmt: skip
+        err = float((got.double() - ref.double()).abs().max())
+        bad += not err < 2e-2
+        log.info("%s plan: max |diff| %.1e %s", cfg, err, "ok" if err < 2e-2 else "WRONG")
     return bad
 
 
@@ -172,6 +199,9 @@ def main() -> int:
                     "fewest tokens a split sequence gives one program (default: one tile)")
     ap.add_argument("--split-max-batch", type=int, default=SPLIT_MAX_BATCH,
                     help="forced splits up to this many sequences (more: the automatic count)")
+    ap.add_argument("--plan", default="", help="also time decode plans (plan_decode: chunks "
+                    "balanced over the batch's contexts, longest first), one per min chunk "
+                    "listed, e.g. 64,128,256 (with each config unless --automatic-configs)")
     ap.add_argument("--longest-first", action="store_true", help="also time each shape with "
                     "its sequences in order of context length, longest first")
     run = start(ap, check, budget_s=150.0)
@@ -201,16 +231,23 @@ def main() -> int:
             forced = ([] if args.splits == "none" else
                       [int(x) for x in args.splits.split(",") if x] or SPLITS[1:])
             forced = forced if batch <= args.split_max_batch else []  # many pairs: automatic
-            variants = [(None, None)] + [(None, s) for s in forced]
+            plans = [f"plan{int(m)}" for m in args.plan.split(",") if m]
+            variants = [(None, None)] + [(None, s) for s in forced + plans]
             if not args.automatic_configs:
                 configs = bf16_configs if dtype == torch.bfloat16 else fp8_configs
-                variants += [(c, s) for c in configs for s in [None, *forced]]
+                variants += [(c, s) for c in configs for s in [None, *forced, *plans]]
             for cfg, splits in variants:
                 if time.monotonic() > deadline:
                     break
                 it = itertools.cycle(kvs)
+                plan = None
+                if isinstance(splits, str):
+                    plan = graph_plan(host_lens, dtype, cfg, int(splits.removeprefix("plan")))
 
-                def run(cfg=cfg, splits=splits, it=it, tables=tables, lens=lens, q=q, out=out):
+                def run(cfg=cfg, splits=splits, it=it, tables=tables, lens=lens, q=q, out=out,
+                        plan=plan):  # fmt: skip
+                    if plan is not None:
+                        return attend(q, next(it), tables, lens, out, cfg, plan=plan)
                     return attend(q, next(it), tables, lens, out, cfg, splits, args.min_partition)
 
                 row = {"batch": batch, "context": context, "lengths": args.lengths,

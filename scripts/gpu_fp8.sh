@@ -45,6 +45,10 @@
 #   bash scripts/gpu_fp8.sh realcontexts       # ~1 min, carrying .gpu_data
 #     decode attention over real ShareGPT contexts at 32-768 sequences, in batch order and
 #     longest first, both caches                   -> decode_realcontexts.json
+#   bash scripts/gpu_fp8.sh plans              # ~3 min, carrying .gpu_data
+#     decode attention by plans (plan_decode) against the automatic splits over real ShareGPT
+#     contexts at 16-768 sequences, both caches, min chunks PLAN_CHUNKS (64,128,256); then
+#     the fp8 cache's narrow and one-warp tiles with plans at 16-64  -> decode_plans*.json
 #   bash scripts/gpu_fp8.sh bigshapes          # ~4 min
 #     scripts/decode_fp8_engine_shapes.py at the large batches of the run's decode bands
 #     (BIG_SHAPES, 192x700,384x600,768x450): every tile configuration on the fp8 cache
@@ -338,6 +342,23 @@ PY
       echo "=== decode attention over real ShareGPT contexts"
       engine_shapes decode_realcontexts --shapes "${REAL_SHAPES:-32x0,64x0,128x0,256x0,384x0,768x0}" \
         --lengths .gpu_data/sharegpt_1000.json --longest-first --automatic-configs --splits none
+      ;;
+    plans)
+      # decode plans (chunks balanced over the batch's real contexts, longest first) against
+      # the automatic splits, over real ShareGPT contexts, both caches, PLAN_CHUNKS as min
+      # chunks; then the fp8 cache's other tiles with plans at the small batches
+      if [[ "$SMOKE" == 1 ]]; then echo "=== plans: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== decode plans: outputs against the automatic path"
+      timeout 120 "$PYTHON" scripts/decode_fp8_engine_shapes.py --check 2>&1 | grep -cE " ok$" \
+        | sed 's/^/    ok: /'
+      echo "=== decode plans over real ShareGPT contexts"
+      engine_shapes decode_plans --shapes "${PLAN_SHAPES:-16x0,32x0,64x0,128x0,256x0,384x0,768x0}" \
+        --lengths .gpu_data/sharegpt_1000.json --automatic-configs --splits none \
+        --plan "${PLAN_CHUNKS:-64,128,256}"
+      echo "=== decode plans with the fp8 cache's narrow and one-warp tiles at small batches"
+      engine_shapes decode_plans_tiles --shapes "${PLAN_TILE_SHAPES:-16x0,32x0,64x0}" \
+        --lengths .gpu_data/sharegpt_1000.json --splits none --configs 64/2/3/4,32/1/3/8 \
+        --bf16-configs 64/4/2/2 --plan "${PLAN_CHUNKS:-64,128,256}"
       ;;
     bigshapes)
       if [[ "$SMOKE" == 1 ]]; then echo "=== bigshapes: needs a GPU (skipped in a smoke run)"; continue; fi

@@ -23,6 +23,9 @@ ENGINE_NAMES = {
     "reshape_and_cache",
     "paged_attention",
     "paged_decode_attention",
+    "DecodePlan",
+    "decode_plan_capacity",
+    "plan_decode",
     "copy_blocks",
     "swap_blocks",
     "rms_norm",
@@ -57,7 +60,8 @@ def test_ops_is_the_public_face():
         assert getattr(pagedattn_kernels, name) is getattr(ops, name), name
     # Every engine op is found as an operation (the rule `operations()` applies is not vacuous).
     assert set(ops.operations()) == ENGINE_NAMES - {
-        "resolve_backend", "MAX_HIDDEN", "FP8_DTYPE", "FP8_MAX"
+        "resolve_backend", "MAX_HIDDEN", "FP8_DTYPE", "FP8_MAX", "DecodePlan",
+        "decode_plan_capacity", "plan_decode",
     }
 
 
@@ -98,10 +102,11 @@ def test_every_folder_holds_the_same_files(folder):
 # of them compiles a new variant mid-serving (tests/kernels/test_specialization.py, on a GPU).
 NOT_SPECIALIZED = {
     ("attention", "decode_kernel"): {
-        "partition_size", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "stride_bt_seq",
-        "k_scale_ptr", "v_scale_ptr",
+        "partition_size", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "work_ptr",
+        "stride_bt_seq", "k_scale_ptr", "v_scale_ptr",
     },
     ("attention", "decode_reduce_kernel"): {"partition_size", "num_splits", "seq_lens_ptr"},
+    ("attention", "decode_merge_kernel"): {"merges_ptr"},
     ("attention", "prefill_kernel"): {
         "num_seqs", "cu_q_ptr", "block_tables_ptr", "seq_lens_ptr", "stride_bt_seq",
         "k_scale_ptr", "v_scale_ptr",

@@ -17,6 +17,7 @@ from pagedattn_kernels.attention.checks import (
     check_new_kv,
     check_triton_attention,
 )
+from pagedattn_kernels.attention.plan import DecodePlan
 from pagedattn_kernels.common import check_kv_scales, fail, resolve_backend
 
 __all__ = ["paged_attention", "paged_decode_attention"]
@@ -100,6 +101,7 @@ def paged_decode_attention(
     backend: str | None = None,
     num_splits: int | None = None,
     seq_order: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``query [num_seqs, num_heads, head_dim]``) attending its
     whole context of ``seq_lens[i]`` tokens. On the GPU, long contexts are split over several
@@ -109,6 +111,10 @@ def paged_decode_attention(
     first): the order in which the Triton kernel starts the sequences' programs, a schedule
     that leaves the output unchanged (``triton_launch.paged_decode_attention`` says why);
     checked to be a permutation on the CPU only (on a GPU that would wait for the device).
+    ``plan`` (from :func:`plan_decode` for these rows, moved to the query's device): which
+    program attends which chunk of which row, balanced over the batch's real context lengths;
+    it takes the place of the split count and ``seq_order`` (Triton backend; the torch path
+    has no programs to plan and ignores it).
     fp8 caches: ``k_scale`` / ``v_scale`` as in :func:`paged_attention`.
     """
     op = "paged_decode_attention"
@@ -121,6 +127,8 @@ def paged_decode_attention(
         raise fail(op, f"num_splits must be a positive int, got {num_splits!r}")
     if seq_order is not None:
         _check_order(op, seq_order, query)
+    if plan is not None:
+        _check_plan(op, plan, query, num_splits, seq_order)
     scale = float(scale) if scale is not None else query.shape[2] ** -0.5
     if out is None:
         out = torch.empty_like(query)
@@ -132,8 +140,27 @@ def paged_decode_attention(
     query = query if query.stride(-1) == 1 else query.contiguous()
     return triton_launch.paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
-        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, seq_order=seq_order,
+        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, seq_order=seq_order, plan=plan,
     )  # fmt: skip
+
+
+def _check_plan(op: str, plan: DecodePlan, query: torch.Tensor, num_splits: int | None,
+                seq_order: torch.Tensor | None) -> None:  # fmt: skip
+    """A plan's tensors: int32, contiguous, on the query's device, of the right widths; and
+    no split count or order beside it. (Their contents are the planner's: checking them
+    would read the device.)"""
+    if not isinstance(plan, DecodePlan):
+        raise fail(op, f"plan must be a DecodePlan, got {type(plan).__name__}")
+    if num_splits is not None or seq_order is not None:
+        raise fail(op, "a plan decides the splits and the order: pass neither num_splits nor "
+                       "seq_order with it")  # fmt: skip
+    for name, t, width in (("work", plan.work, 4), ("merges", plan.merges, 3)):
+        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != width:
+            raise fail(op, f"plan.{name} must be int32 [rows, {width}], got {t.dtype} "
+                           f"{list(t.shape)}")  # fmt: skip
+        if t.device != query.device or not t.is_contiguous():
+            raise fail(op, f"plan.{name} must be contiguous on {query.device}, got "
+                           f"{t.device}")  # fmt: skip
 
 
 def _check_order(op: str, order: torch.Tensor, query: torch.Tensor) -> None:

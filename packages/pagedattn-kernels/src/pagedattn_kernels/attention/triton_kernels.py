@@ -301,7 +301,7 @@ def _split_length(seq_len, num_splits, min_partition, TILE_N: tl.constexpr):
 _BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr", "v_scale_ptr"]
 
 
-@triton.jit(do_not_specialize=["partition_size", "order_ptr", *_BATCH_ARGS])
+@triton.jit(do_not_specialize=["partition_size", "order_ptr", "work_ptr", *_BATCH_ARGS])
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -312,6 +312,7 @@ def decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     order_ptr,
+    work_ptr,
     k_scale_ptr,
     v_scale_ptr,
     scale_log2,
@@ -348,6 +349,7 @@ def decode_kernel(
     PACKED: tl.constexpr,
     ONE_LOOP: tl.constexpr = False,
     ORDERED: tl.constexpr = False,
+    WORK: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Flash-decoding, phase one. Grid: (num_kv_heads, num_splits, num_seqs): the sequence
@@ -369,6 +371,11 @@ def decode_kernel(
     ONE_LOOP: every tile masked, the ragged last one inside the software-pipelined loop (its
     loads issued while earlier tiles compute); else whole tiles unmasked, then the ragged one
     on its own after the loop (its block-table, K and V loads one after the other).
+    WORK: a decode plan (``attention.plan``) instead of splits and order. Grid: (num_kv_heads,
+    plan capacity, 1); program (kv head, item) attends the item's chunk [start, end) of its
+    row and writes the output, or, for a chunk of a split row, the partial output and
+    log2-sum-exp at the item's partial row (``decode_merge_kernel`` merges them). Padding
+    items (row -1) exit.
     """
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
@@ -376,18 +383,28 @@ def decode_kernel(
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
-    if ORDERED:
-        seq = tl.load(order_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    if SPLIT:
+    if WORK:
+        item = work_ptr + split * 4
+        seq = tl.load(item)
+        if seq < 0:
+            return
+        start = tl.load(item + 1)
+        end = tl.load(item + 2)
+        partial = tl.load(item + 3)
+    elif SPLIT:
+        if ORDERED:
+            seq = tl.load(order_ptr + seq)
+        seq_len = tl.load(seq_lens_ptr + seq)
         part = _split_length(seq_len, tl.num_programs(1), partition_size, TILE_N)
         start = split * part
         if start >= seq_len:
             return
         end = tl.minimum(start + part, seq_len)
     else:
+        if ORDERED:
+            seq = tl.load(order_ptr + seq)
         start = 0
-        end = seq_len
+        end = tl.load(seq_lens_ptr + seq)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -450,21 +467,35 @@ def decode_kernel(
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     result = acc / l_safe[:, None]
-    if SPLIT:
-        po = (
-            part_out_ptr
-            + seq.to(tl.int64) * stride_po_seq
-            + heads[:, None] * stride_po_head
-            + split * stride_po_split
-            + d[None, :]
-        )
-        tl.store(po, result, mask=store_mask)
-        lse = m_i + tl.log2(l_safe)
-        pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
-        tl.store(pl, lse, mask=g_mask)
+    lse = m_i + tl.log2(l_safe)
+    if WORK:
+        if partial >= 0:
+            _store_partial(part_out_ptr, part_lse_ptr, partial, 0, heads, d, result, lse,
+                           store_mask, g_mask, stride_po_seq, stride_po_head, stride_po_split,
+                           stride_pl_seq, stride_pl_head)  # fmt: skip
+        else:
+            o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+            tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+    elif SPLIT:
+        _store_partial(part_out_ptr, part_lse_ptr, seq, split, heads, d, result, lse, store_mask,
+                       g_mask, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq,
+                       stride_pl_head)  # fmt: skip
     else:
         o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
         tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, row, split, heads, d, result, lse, store_mask,
+                   g_mask, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq,
+                   stride_pl_head):  # fmt: skip
+    """A program's partial output (normalised by its own sum) and its log2-sum-exp, for the
+    merge: at ``row`` (a sequence, or a plan's partial row) and ``split``."""
+    po = (part_out_ptr + row.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
+          + split * stride_po_split + d[None, :])  # fmt: skip
+    tl.store(po, result, mask=store_mask)
+    pl = part_lse_ptr + row.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
+    tl.store(pl, lse, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["partition_size", "num_splits", "seq_lens_ptr"])
@@ -529,6 +560,60 @@ def decode_reduce_kernel(
     )
     o = out_ptr + seq * stride_o_seq + head * stride_o_head + d
     tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit(do_not_specialize=["merges_ptr"])
+def decode_merge_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    merges_ptr,
+    stride_o_seq,
+    stride_o_head,
+    stride_po_row,
+    stride_po_head,
+    stride_pl_row,
+    stride_pl_head,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Flash-decoding, phase two, for a decode plan (``attention.plan``). Grid: (merge
+    capacity, num_kv_heads). Program (merge, kv head) merges, for each query head of the
+    group, the partial outputs of one split row (its ``count`` contiguous partial rows from
+    ``first``), weighting each by exp2(lse - max lse), and writes the row's output. Padding
+    merges (row -1) exit."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
+    merge = merges_ptr + tl.program_id(0) * 3
+    seq = tl.load(merge)
+    if seq < 0:
+        return
+    first = tl.load(merge + 1).to(tl.int64)
+    count = tl.load(merge + 2)
+    s = tl.arange(0, PARTS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = s < count
+    d_mask = d < HEAD_DIM
+    rows = first + s
+    for g in tl.static_range(QUERIES_PER_KV):
+        head = tl.program_id(1) * QUERIES_PER_KV + g
+        lse = tl.load(part_lse_ptr + rows * stride_pl_row + head * stride_pl_head, mask=s_mask,
+                      other=float("-inf"))  # fmt: skip
+        lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
+        w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
+        denom = tl.reduce(w, 0, tl.standard._sum_combine)
+        parts = tl.load(
+            part_out_ptr + rows[:, None] * stride_po_row + head * stride_po_head + d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        result = tl.reduce(parts * w[:, None], 0, tl.standard._sum_combine) / denom
+        o = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + d
+        tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "cu_q_ptr", *_BATCH_ARGS])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedattn_kernels.attention.plan import MAX_CHUNKS, DecodePlan
 from pagedattn_kernels.common import (
     FP8_DTYPE,
     capability,
@@ -225,6 +226,14 @@ def _word_aligned(cache: torch.Tensor) -> bool:
             and all(st % 4 == 0 for st in cache.stride()[:-1]))  # fmt: skip
 
 
+def _packed(kernels, cfg: DecodeConfig, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """The decode kernel's PACKED: ``cfg.packed_loads`` where the caches allow it."""
+    if (cfg.packed_loads and key_cache.dtype == FP8_DTYPE and _word_aligned(key_cache)
+            and _word_aligned(value_cache)):  # fmt: skip
+        return 1 if is_interpreted(kernels.decode_kernel) else 2
+    return 0
+
+
 def _dot_ieee(dtype: torch.dtype) -> bool:
     # fp32 inputs: fp32-accurate products (3xTF32 on tensor cores; plain tf32 would cost
     # ~1e-3 relative error).
@@ -251,8 +260,13 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     seq_order: torch.Tensor | None = None,
     min_partition: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """``seq_order`` (int32 [num_seqs], a permutation of the rows): the order in which the
+    """``plan`` (a ``DecodePlan`` on the query's device, built by ``plan_decode`` for these
+    rows): which program attends which chunk of which row, in place of the split count and
+    ``seq_order`` (``attention.plan`` says why).
+
+    ``seq_order`` (int32 [num_seqs], a permutation of the rows): the order in which the
     GPU starts the sequences' programs; the output is the same in any order.
 
     Why an order: the GPU starts a kernel's programs in grid order as program slots free up,
@@ -283,6 +297,9 @@ def paged_decode_attention(
     fp8 = key_cache.dtype == FP8_DTYPE
     cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel),
                                   key_cache.dtype, num_seqs * num_kv_heads)  # fmt: skip
+    if plan is not None:
+        return _planned_decode(kernels, cfg, plan, query, key_cache, value_cache, block_tables,
+                               seq_lens, scale, out, k_scale, v_scale)  # fmt: skip
     dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
@@ -297,9 +314,7 @@ def paged_decode_attention(
     min_partition = -(-least // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
     upcast = _upcast(kernels.decode_kernel, query.dtype)
-    packed = 0
-    if cfg.packed_loads and fp8 and _word_aligned(key_cache) and _word_aligned(value_cache):
-        packed = 1 if is_interpreted(kernels.decode_kernel) else 2
+    packed = _packed(kernels, cfg, key_cache, value_cache)
     split = num_splits > 1
     if split:  # one allocation for both partial buffers (host time matters at small sizes)
         rows = num_seqs * num_heads * num_splits
@@ -311,7 +326,7 @@ def paged_decode_attention(
     pdl = use_pdl(query.device)
     kernels.decode_kernel[(num_kv_heads, num_splits, num_seqs)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        seq_lens if seq_order is None else seq_order,
+        seq_lens if seq_order is None else seq_order, seq_lens,
         scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         scale * 1.4426950408889634, min_partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -337,6 +352,67 @@ def paged_decode_attention(
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
             SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, PDL=pdl,
             launch_pdl=pdl, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def decode_lanes(
+    num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    kv_dtype: torch.dtype, device: torch.device,
+) -> tuple[DecodeConfig, int]:  # fmt: skip
+    """The decode kernel's configuration for ``num_seqs`` rows, and how many of its programs
+    of one KV head the GPU runs at once (the plan's lanes: program slots over KV heads)."""
+    kernels = kernels_for(device, KERNELS)
+    cfg = decode_config(head_dim, dtype, is_interpreted(kernels.decode_kernel), kv_dtype,
+                        num_seqs * num_kv_heads)  # fmt: skip
+    return cfg, max(1, cfg.per_sm * sm_count(device) // num_kv_heads)
+
+
+def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    out: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``paged_decode_attention`` by a plan: one decode program per (KV head, item), then one
+    merge program per (split row, KV head)."""
+    if plan.tile_n != cfg.tile_n:
+        raise ValueError(f"paged_decode_attention: the plan's chunks are in tiles of "
+                         f"{plan.tile_n} tokens, the kernel's tiles {cfg.tile_n}: plan with "
+                         f"the same rows, dtypes and device")  # fmt: skip
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    qpk = num_heads // num_kv_heads
+    items, merges = plan.work.shape[0], plan.merges.shape[0]
+    rows = items * num_heads
+    work = _scratch(rows * (head_dim + 1), query.device)
+    part_out = work[: rows * head_dim].view(items, num_heads, head_dim)
+    part_lse = work[rows * head_dim :].view(items, num_heads)
+    pdl = use_pdl(query.device)
+    dpad = padded_head_dim(head_dim)
+    kernels.decode_kernel[(num_kv_heads, items, 1)](
+        out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
+        seq_lens, plan.work, scale_or_unit(k_scale, key_cache),
+        scale_or_unit(v_scale, value_cache), scale * 1.4426950408889634, cfg.tile_n,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), 0, part_lse.stride(0), part_lse.stride(1),
+        QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
+        SPLIT=False, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernels.decode_kernel, query.dtype),
+        KV_FP8=key_cache.dtype == FP8_DTYPE,
+        OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
+        F16_PRODUCTS=cfg.f16_products, PACKED=_packed(kernels, cfg, key_cache, value_cache),
+        ONE_LOOP=cfg.one_loop, WORK=True, PDL=pdl,
+        launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if merges:
+        kernels.decode_merge_kernel[(merges, num_kv_heads)](
+            out, part_out, part_lse, plan.merges, out.stride(0), out.stride(1),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+            QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
+            PARTS_PAD=MAX_CHUNKS, PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -1,0 +1,210 @@
+"""Decode work plans: which program attends which part of which sequence.
+
+Flash-decoding as ``paged_decode_attention`` does it without a plan gives every sequence of a
+batch the same number of programs (the split count), each taking an equal share of its own
+context. With equal contexts that balances. A serving batch holds contexts of tens and of
+thousands of tokens: a long one's programs then walk many more tiles than the rest, and the
+step waits for them after every other program has finished. On an H200 with the contexts of
+a real ShareGPT run, decode attention on the fp8 cache took 33.8 us at 32 sequences against
+18.4 us for equal contexts of the same mean, and 113.0 against 94.8 us at 384 sequences
+(``docs/performance/gpu_runs/2026-12-02f/``).
+
+A plan cuts each sequence into chunks of at most ``chunk`` tokens, the same bound for every
+sequence, chosen from the whole batch (``chunk_size``): no longer than the work one program
+slot gets on average, and, when the batch has fewer sequences than the GPU has slots for
+one KV head's programs, long enough that the chunks make one wave. The chunks of a split
+sequence write partial outputs, which ``decode_merge_kernel`` merges; a sequence of one chunk
+writes its output directly. The chunks are listed longest first (list scheduling's longest
+processing time first rule), so the long ones start at once and the short ones fill in.
+
+This is FlashInfer's plan-then-run split of a decode call: the plan is host work on lengths
+the host already knows (a scheduler knows every context length), a few torch ops per step,
+and the run reads it from two small int32 tensors, so a CUDA graph captured with a plan of
+fixed capacity (``plan_capacity``) replays any later plan of the same batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn_kernels.common import fail
+
+#: The fewest tokens a chunk of a split sequence holds (rounded up to whole tiles): shorter
+#: chunks cost a program's fixed latency and a merge for little work.
+MIN_CHUNK = 128
+#: The most chunks one sequence is cut into (the merge kernel's PARTS_PAD).
+MAX_CHUNKS = 64
+#: Columns of ``DecodePlan.work`` and ``DecodePlan.merges``.
+WORK_COLUMNS = ("row", "start", "end", "partial")
+MERGE_COLUMNS = ("row", "first", "count")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """``work`` (int32 ``[capacity, 4]``): one item per program of each KV head, longest
+    first: the query row, the chunk's first and end context positions, and the row of the
+    partial buffers it writes (-1: the row's whole context, written to the output directly).
+    Rows past the items are padding (row -1). ``merges`` (int32 ``[merge_capacity, 3]``): per
+    split sequence, its query row, its first partial row and how many (contiguous) partial
+    rows it has; padding rows -1. ``tile_n``: the kernel tile the chunks are multiples of
+    (the launch must use the same configuration)."""
+
+    work: torch.Tensor
+    merges: torch.Tensor
+    tile_n: int
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> DecodePlan:
+        return DecodePlan(self.work.to(device, non_blocking=non_blocking),
+                          self.merges.to(device, non_blocking=non_blocking), self.tile_n)  # fmt: skip
+
+    @property
+    def num_items(self) -> int:
+        """Items in the plan (host plans only: it reads the rows)."""
+        return int((self.work[:, 0] >= 0).sum())
+
+
+def _round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def _chunks(lens: list[int], chunk: int) -> int:
+    return sum(-(-n // chunk) if n else 1 for n in lens)
+
+
+def chunk_size(lens: Sequence[int], lanes: int, tile_n: int, min_chunk: int = MIN_CHUNK) -> int:
+    """The longest chunk of a plan over contexts ``lens`` for ``lanes`` program slots per KV
+    head, a multiple of ``tile_n``.
+
+    At least the average work of a slot (the total over ``lanes``), so that the chunks number
+    at most ``len(lens) + lanes``; at least ``min_chunk`` and ``1 / MAX_CHUNKS`` of the longest
+    context. With fewer sequences than lanes, the smallest such chunk whose items fit one wave
+    of ``lanes`` (a bisection over whole tiles): programs this short are mostly fixed latency,
+    and a second wave would pay it again."""
+    lens = list(lens)
+    longest = max(lens, default=0)
+    if longest == 0:
+        return tile_n
+    chunk = max(-(-sum(lens) // max(lanes, 1)), min_chunk, -(-longest // MAX_CHUNKS), 1)
+    chunk = _round_up(chunk, tile_n)
+    top = _round_up(longest, tile_n)
+    if chunk >= top or len(lens) >= lanes or _chunks(lens, chunk) <= lanes:
+        return min(chunk, top)
+    lo, hi = chunk // tile_n, top // tile_n  # in tiles: lo does not fit one wave, hi does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _chunks(lens, mid * tile_n) <= lanes:
+            hi = mid
+        else:
+            lo = mid
+    return hi * tile_n
+
+
+def capacity(num_seqs: int, lanes: int) -> tuple[int, int]:
+    """The most items and merges a plan of ``num_seqs`` rows over ``lanes`` can have (what a
+    CUDA graph's static plan buffers hold): ``chunk_size`` keeps the chunks to ``num_seqs +
+    lanes`` (one per row, plus at most the total over the chunk length), and a split row
+    takes at least one of the extra ones."""
+    return num_seqs + lanes, min(num_seqs, lanes)
+
+
+def build_plan(
+    seq_lens: Sequence[int] | torch.Tensor, lanes: int, tile_n: int,
+    size: tuple[int, int] | None = None, min_chunk: int = MIN_CHUNK,
+) -> DecodePlan:  # fmt: skip
+    """The plan (host tensors) of a decode batch with contexts ``seq_lens`` (host ints; 0 for
+    a padding row, which gets one empty item: its output is zeros). ``size``: pad ``work`` and
+    ``merges`` to these many rows (``capacity``), else exactly as many as needed."""
+    if isinstance(seq_lens, torch.Tensor):
+        lens_t = seq_lens.to("cpu", torch.int64).reshape(-1)
+        lens = lens_t.tolist()
+    else:
+        lens = [int(n) for n in seq_lens]
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+    if any(n < 0 for n in lens):
+        raise ValueError("build_plan: context lengths must be >= 0")
+    chunk = chunk_size(lens, lanes, tile_n, min_chunk)
+    n = len(lens)
+    counts = torch.where(lens_t > 0, (lens_t + chunk - 1) // chunk, 1)
+    # every chunk of a row but its last: the row's own length shared evenly, in whole tiles
+    per = (lens_t + counts - 1) // counts
+    per = (per + tile_n - 1) // tile_n * tile_n
+    rows = torch.repeat_interleave(torch.arange(n), counts)
+    ends = torch.cumsum(counts, 0)
+    firsts = ends - counts
+    index = torch.arange(int(ends[-1]) if n else 0) - firsts[rows]
+    start = index * per[rows]
+    end = torch.minimum(start + per[rows], lens_t[rows])
+    split = counts[rows] > 1
+    partial = torch.where(split, torch.cumsum(split, 0) - 1, -1)
+    order = torch.argsort(end - start, descending=True, stable=True)
+    work = torch.stack([rows, start, end, partial], dim=1)[order].to(torch.int32)
+    split_rows = torch.nonzero(counts > 1).flatten()
+    merges = torch.stack([split_rows, partial[firsts[split_rows]], counts[split_rows]], dim=1)
+    merges = merges.to(torch.int32)
+    if size is not None:
+        work = _pad(work, size[0], "items")
+        merges = _pad(merges, size[1], "merges")
+    return DecodePlan(work, merges, tile_n)
+
+
+def _pad(t: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    if t.shape[0] > rows:
+        raise ValueError(f"build_plan: {t.shape[0]} {what} do not fit a capacity of {rows}")
+    out = torch.full((rows, t.shape[1]), -1, dtype=torch.int32)
+    out[: t.shape[0]] = t
+    return out
+
+
+def plan_decode(
+    seq_lens: Sequence[int] | torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    padded: bool = False,
+    min_chunk: int | None = None,
+) -> DecodePlan:
+    """The work plan of a decode call over rows of context lengths ``seq_lens`` (host ints or
+    a CPU tensor; 0 for a padding row), for a query of ``dtype`` with ``num_kv_heads`` KV
+    heads of ``head_dim`` on a cache of ``kv_dtype`` on ``device``: the chunks each program
+    attends, longest first (``attention.plan``). Host tensors: move them to ``device`` (or
+    copy them into a CUDA graph's static ones) before the call. ``padded``: sized to
+    :func:`decode_plan_capacity`, as a CUDA graph's buffers are. ``min_chunk``: the fewest
+    tokens of a split row's chunk (``plan.MIN_CHUNK``)."""
+    from pagedattn_kernels.attention import triton_launch  # it imports this module
+
+    op = "plan_decode"
+    if num_kv_heads < 1 or head_dim < 1:
+        raise fail(op, f"num_kv_heads and head_dim must be positive, got {num_kv_heads}, "
+                       f"{head_dim}")  # fmt: skip
+    if min_chunk is not None and (not isinstance(min_chunk, int) or min_chunk < 1):
+        raise fail(op, f"min_chunk must be a positive int, got {min_chunk!r}")
+    num_seqs = seq_lens.numel() if isinstance(seq_lens, torch.Tensor) else len(seq_lens)
+    cfg, lanes = triton_launch.decode_lanes(num_seqs, num_kv_heads, head_dim, dtype, kv_dtype,
+                                            torch.device(device))  # fmt: skip
+    try:
+        return build_plan(
+            seq_lens, lanes, cfg.tile_n,
+            size=capacity(num_seqs, lanes) if padded else None,
+            min_chunk=MIN_CHUNK if min_chunk is None else min_chunk,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise fail(op, str(exc).removeprefix("build_plan: ")) from None
+
+
+def decode_plan_capacity(
+    num_seqs: int, *, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    kv_dtype: torch.dtype, device: torch.device,
+) -> tuple[int, int]:  # fmt: skip
+    """The rows of a padded plan's ``work`` and ``merges`` for ``num_seqs`` rows: the most any
+    plan of that many rows needs (a CUDA graph's static plan buffers)."""
+    from pagedattn_kernels.attention import triton_launch
+    _, lanes = triton_launch.decode_lanes(num_seqs, num_kv_heads, head_dim, dtype, kv_dtype,
+                                          torch.device(device))  # fmt: skip
+    return capacity(num_seqs, lanes)
+
