@@ -125,14 +125,17 @@ def attend(q, kv, tables, lens, out, config=None, splits=None, min_partition=Non
                                             plan=plan, **scales)  # fmt: skip
 
 
-def graph_plan(host_lens: list[int], dtype: torch.dtype, config, min_chunk: int):
+def graph_plan(host_lens: list[int], dtype: torch.dtype, config, spec: str):
     """The decode plan of these contexts as the engine's CUDA graphs stage it (padded to its
-    capacity), for ``config`` (None: the automatic one), on the GPU."""
+    capacity), for ``config`` (None: the automatic one), on the GPU. ``spec``: ``planM`` (M:
+    the min chunk) or ``planMxK`` (and K times the lanes: chunks K times shorter)."""
+    min_chunk, _, scale = spec.removeprefix("plan").partition("x")
+    min_chunk, scale = int(min_chunk), int(scale or 1)
     batch = len(host_lens)
     cfg = config or tl_launch.decode_config(HEAD_DIM, torch.bfloat16, False, dtype,
                                             batch * KV_HEADS)  # fmt: skip
-    lanes = max(1, cfg.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
-                // KV_HEADS)  # fmt: skip
+    lanes = scale * max(1, cfg.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                        // KV_HEADS)  # fmt: skip
     built = decode_plan.build_plan(host_lens, lanes, cfg.tile_n,
                                    size=decode_plan.capacity(batch, lanes), min_chunk=min_chunk)
     log.info("plan B=%d min chunk %d: %d items, %d split rows, %d lanes", batch, min_chunk,
@@ -201,7 +204,8 @@ def main() -> int:
                     help="forced splits up to this many sequences (more: the automatic count)")
     ap.add_argument("--plan", default="", help="also time decode plans (plan_decode: chunks "
                     "balanced over the batch's contexts, longest first), one per min chunk "
-                    "listed, e.g. 64,128,256 (with each config unless --automatic-configs)")
+                    "listed, e.g. 64,128,256, or MxK: K times the lanes (chunks K times "
+                    "shorter); with each config unless --automatic-configs")
     ap.add_argument("--longest-first", action="store_true", help="also time each shape with "
                     "its sequences in order of context length, longest first")
     run = start(ap, check, budget_s=150.0)
@@ -231,7 +235,7 @@ def main() -> int:
             forced = ([] if args.splits == "none" else
                       [int(x) for x in args.splits.split(",") if x] or SPLITS[1:])
             forced = forced if batch <= args.split_max_batch else []  # many pairs: automatic
-            plans = [f"plan{int(m)}" for m in args.plan.split(",") if m]
+            plans = [f"plan{m}" for m in args.plan.split(",") if m]
             variants = [(None, None)] + [(None, s) for s in forced + plans]
             if not args.automatic_configs:
                 configs = bf16_configs if dtype == torch.bfloat16 else fp8_configs
@@ -242,7 +246,7 @@ def main() -> int:
                 it = itertools.cycle(kvs)
                 plan = None
                 if isinstance(splits, str):
-                    plan = graph_plan(host_lens, dtype, cfg, int(splits.removeprefix("plan")))
+                    plan = graph_plan(host_lens, dtype, cfg, splits)
 
                 def run(cfg=cfg, splits=splits, it=it, tables=tables, lens=lens, q=q, out=out,
                         plan=plan):  # fmt: skip

@@ -47,8 +47,10 @@
 #     longest first, both caches                   -> decode_realcontexts.json
 #   bash scripts/gpu_fp8.sh plans              # ~3 min, carrying .gpu_data
 #     decode attention by plans (plan_decode) against the automatic splits over real ShareGPT
-#     contexts at 16-768 sequences, both caches, min chunks PLAN_CHUNKS (64,128,256); then
-#     the fp8 cache's narrow and one-warp tiles with plans at 16-64  -> decode_plans*.json
+#     contexts at 16-768 sequences, both caches, plans PLAN_CHUNKS (128,128x2: min chunk 128,
+#     lanes x1 and x2), PLAN_ORDER=1: batch order and longest first; then the fp8 cache's
+#     narrow and one-warp tiles with plans at PLAN_TILE_SHAPES (16x0,32x0,64x0; empty: none)
+#                                                  -> decode_plans*.json
 #   bash scripts/gpu_fp8.sh bigshapes          # ~4 min
 #     scripts/decode_fp8_engine_shapes.py at the large batches of the run's decode bands
 #     (BIG_SHAPES, 192x700,384x600,768x450): every tile configuration on the fp8 cache
@@ -354,11 +356,12 @@ PY
       echo "=== decode plans over real ShareGPT contexts"
       engine_shapes decode_plans --shapes "${PLAN_SHAPES:-16x0,32x0,64x0,128x0,256x0,384x0,768x0}" \
         --lengths .gpu_data/sharegpt_1000.json --automatic-configs --splits none \
-        --plan "${PLAN_CHUNKS:-64,128,256}"
+        --plan "${PLAN_CHUNKS:-128,128x2}" ${PLAN_ORDER:+--longest-first}
+      [[ -z ${PLAN_TILE_SHAPES-x} ]] && continue  # PLAN_TILE_SHAPES= : no tile sweep
       echo "=== decode plans with the fp8 cache's narrow and one-warp tiles at small batches"
       engine_shapes decode_plans_tiles --shapes "${PLAN_TILE_SHAPES:-16x0,32x0,64x0}" \
         --lengths .gpu_data/sharegpt_1000.json --splits none --configs 64/2/3/4,32/1/3/8 \
-        --bf16-configs 64/4/2/2 --plan "${PLAN_CHUNKS:-64,128,256}"
+        --bf16-configs 64/4/2/2 --plan "${PLAN_CHUNKS:-128,128x2}"
       ;;
     bigshapes)
       if [[ "$SMOKE" == 1 ]]; then echo "=== bigshapes: needs a GPU (skipped in a smoke run)"; continue; fi

@@ -575,16 +575,17 @@ def decode_merge_kernel(
     stride_pl_row,
     stride_pl_head,
     QUERIES_PER_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     PARTS_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Flash-decoding, phase two, for a decode plan (``attention.plan``). Grid: (merge
-    capacity, num_kv_heads). Program (merge, kv head) merges, for each query head of the
-    group, the partial outputs of one split row (its ``count`` contiguous partial rows from
-    ``first``), weighting each by exp2(lse - max lse), and writes the row's output. Padding
-    merges (row -1) exit."""
+    capacity, num_kv_heads). Program (merge, kv head) merges the partial outputs of one split
+    row (its ``count`` contiguous partial rows from ``first``) for every query head of the
+    group at once, PARTS_PAD partial rows at a time, weighting each by exp2(lse - max lse),
+    and writes the row's output. Padding merges (row -1) exit."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -592,28 +593,43 @@ def decode_merge_kernel(
     seq = tl.load(merge)
     if seq < 0:
         return
-    first = tl.load(merge + 1).to(tl.int64)
+    first = tl.load(merge + 1)
     count = tl.load(merge + 2)
-    s = tl.arange(0, PARTS_PAD)
+    # one flat axis of (partial row, head of the group) pairs, reshaped for the sums
+    r = tl.arange(0, PARTS_PAD * GROUP_PAD)
+    part = r // GROUP_PAD
+    head = tl.program_id(1) * QUERIES_PER_KV + r % GROUP_PAD
+    in_group = r % GROUP_PAD < QUERIES_PER_KV
     d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = s < count
     d_mask = d < HEAD_DIM
-    rows = first + s
-    for g in tl.static_range(QUERIES_PER_KV):
-        head = tl.program_id(1) * QUERIES_PER_KV + g
-        lse = tl.load(part_lse_ptr + rows * stride_pl_row + head * stride_pl_head, mask=s_mask,
+    m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_run = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
+    for p0 in range(0, count, PARTS_PAD):
+        valid = (p0 + part < count) & in_group
+        row = (first + p0 + part).to(tl.int64)
+        lse = tl.load(part_lse_ptr + row * stride_pl_row + head * stride_pl_head, mask=valid,
                       other=float("-inf"))  # fmt: skip
-        lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
-        w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
-        denom = tl.reduce(w, 0, tl.standard._sum_combine)
+        # heads past the group: a finite score, so that their (unused) sums stay finite
+        lse = tl.reshape(tl.where(in_group, lse, 0.0), [PARTS_PAD, GROUP_PAD])
         parts = tl.load(
-            part_out_ptr + rows[:, None] * stride_po_row + head * stride_po_head + d[None, :],
-            mask=s_mask[:, None] & d_mask[None, :],
+            part_out_ptr + row[:, None] * stride_po_row + head[:, None] * stride_po_head
+            + d[None, :],
+            mask=valid[:, None] & d_mask[None, :],
             other=0.0,
-        )
-        result = tl.reduce(parts * w[:, None], 0, tl.standard._sum_combine) / denom
-        o = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + d
-        tl.store(o, result.to(out_ptr.dtype.element_ty), mask=d_mask)
+        )  # fmt: skip
+        parts = tl.reshape(parts, [PARTS_PAD, GROUP_PAD, HEAD_DIM_PAD])
+        m_new = tl.maximum(m_run, tl.reduce(lse, 0, tl.standard._elementwise_max))
+        w = tl.exp2(lse - m_new[None, :])
+        alpha = tl.exp2(m_run - m_new)
+        l_run = l_run * alpha + tl.reduce(w, 0, tl.standard._sum_combine)
+        acc = acc * alpha[:, None] + tl.reduce(parts * w[:, :, None], 0, tl.standard._sum_combine)
+        m_run = m_new
+    g = tl.arange(0, GROUP_PAD)
+    heads = tl.program_id(1) * QUERIES_PER_KV + g
+    o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+    tl.store(o, (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(g < QUERIES_PER_KV)[:, None] & d_mask[None, :])  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_seqs", "cu_q_ptr", *_BATCH_ARGS])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedattn_kernels.attention.plan import MAX_CHUNKS, DecodePlan
+from pagedattn_kernels.attention.plan import DecodePlan
 from pagedattn_kernels.common import (
     FP8_DTYPE,
     capability,
@@ -35,6 +35,9 @@ TMA_MIN_TOKENS = 2048
 MIN_PARTITION = 256
 MAX_SPLITS = 256
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
+# (partial row, query head) pairs a program of ``decode_merge_kernel`` loads at once: 16
+# partial rows of a group of four heads (Llama-3's), 64 registers a thread in four warps
+MERGE_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,11 +411,13 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
         launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if merges:
+        group = next_power_of_2(qpk)
         kernels.decode_merge_kernel[(merges, num_kv_heads)](
             out, part_out, part_lse, plan.merges, out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-            QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
-            PARTS_PAD=MAX_CHUNKS, PDL=pdl, launch_pdl=pdl, num_warps=4,
+            QUERIES_PER_KV=qpk, GROUP_PAD=group, HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=next_power_of_2(head_dim), PARTS_PAD=max(1, MERGE_ROWS // group),
+            PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
     return out
 
