@@ -128,8 +128,10 @@ def attend(q, kv, tables, lens, out, config=None, splits=None, min_partition=Non
 def graph_plan(host_lens: list[int], dtype: torch.dtype, config, spec: str):
     """The decode plan of these contexts as the engine's CUDA graphs stage it (padded to its
     capacity), for ``config`` (None: the automatic one), on the GPU. ``spec``: ``planM`` (M:
-    the min chunk) or ``planMxK`` (and K times the lanes: chunks K times shorter)."""
-    min_chunk, _, scale = spec.removeprefix("plan").partition("x")
+    the min chunk) or ``planMxK`` (and K times the lanes: chunks K times shorter); a final
+    ``e``: exactly the plan's items, without the padding items of a graph's capacity."""
+    exact = spec.endswith("e")  # the items alone, no capacity's padding items
+    min_chunk, _, scale = spec.removeprefix("plan").removesuffix("e").partition("x")
     min_chunk, scale = int(min_chunk), int(scale or 1)
     batch = len(host_lens)
     cfg = config or tl_launch.decode_config(HEAD_DIM, torch.bfloat16, False, dtype,
@@ -137,7 +139,8 @@ def graph_plan(host_lens: list[int], dtype: torch.dtype, config, spec: str):
     lanes = scale * max(1, cfg.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
                         // KV_HEADS)  # fmt: skip
     built = decode_plan.build_plan(host_lens, lanes, cfg.tile_n,
-                                   size=decode_plan.capacity(batch, lanes), min_chunk=min_chunk)
+                                   size=None if exact else decode_plan.capacity(batch, lanes),
+                                   min_chunk=min_chunk)  # fmt: skip
     log.info("plan B=%d min chunk %d: %d items, %d split rows, %d lanes", batch, min_chunk,
              built.num_items, int((built.merges[:, 0] >= 0).sum()), lanes)  # fmt: skip
     return built.to("cuda")
@@ -205,7 +208,8 @@ def main() -> int:
     ap.add_argument("--plan", default="", help="also time decode plans (plan_decode: chunks "
                     "balanced over the batch's contexts, longest first), one per min chunk "
                     "listed, e.g. 64,128,256, or MxK: K times the lanes (chunks K times "
-                    "shorter); with each config unless --automatic-configs")
+                    "shorter), M[xK]e: without a graph's padding items; with each config "
+                    "unless --automatic-configs")
     ap.add_argument("--longest-first", action="store_true", help="also time each shape with "
                     "its sequences in order of context length, longest first")
     run = start(ap, check, budget_s=150.0)

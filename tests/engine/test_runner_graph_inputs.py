@@ -15,7 +15,10 @@ import torch
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.worker import inputs as inputs_module
+from pagedattn_kernels.attention import plan as decode_plan
+from pagedattn_kernels.attention import triton_launch
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagedkv.engine.worker.decode_plans import DecodePlanner
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, slot_mapping
 from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.engine.worker.piecewise_graphs import PiecewiseGraphs, piecewise_token_sizes
@@ -112,6 +115,108 @@ def test_graph_inputs_give_the_eager_logits(runner: ModelRunner, backend, monkey
     eager, graph = _both_paths(runner, step2, [0, 2])
     torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
     assert sorted(runner.graphs.order[:4].tolist()) == [0, 1, 2, 3]
+
+
+@pytest.fixture
+def planned(runner: ModelRunner, monkeypatch):
+    """The runner with decode plans (as on a GPU), on the Triton kernels (interpreted), with
+    chunks as short as one tile so that the small contexts here are split: its own decode
+    graphs, with plan buffers, stand-ins for captured graphs as above."""
+    monkeypatch.setenv("PAGEDATTN_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(decode_plan, "MIN_CHUNK", 1)
+    # a GPU's many program slots (the interpreter counts 4 SMs): chunks shorter than a
+    # context of this test
+    monkeypatch.setattr(triton_launch, "sm_count", lambda device: 32)
+    key_cache = runner.kv_caches[0][0]
+    planner = DecodePlanner(num_kv_heads=key_cache.shape[2], head_dim=key_cache.shape[3],
+                            dtype=runner.dtype, kv_dtype=key_cache.dtype, device=runner.device)
+    g = DecodeGraphs(runner.model, runner.kv_caches, block_size=runner.block_size,
+                     max_model_len=runner.max_model_len, max_blocks_per_seq=runner.max_blocks_per_seq,
+                     max_num_seqs=16, device=runner.device, planner=planner)  # fmt: skip
+    for b in g.sizes:
+        g.graphs[b] = (_ReplayOnBuffers(g, b, hidden := torch.zeros(b, TINY["hidden_size"])), hidden)
+    monkeypatch.setattr(runner, "graphs", g)
+    monkeypatch.setattr(runner, "planner", planner)
+    return runner
+
+
+def _prefilled(r: ModelRunner, rng: random.Random, lengths) -> tuple[list, list[int]]:
+    """Sequences of these prompt lengths, prefilled: (tokens, block table) each; and the
+    blocks left free."""
+    blocks = list(range(r.num_gpu_blocks))
+    rng.shuffle(blocks)
+    seqs, at = [], 0
+    for n in lengths:
+        need = (n + 3 + r.block_size - 1) // r.block_size
+        seqs.append(([rng.randrange(3, 1000) for _ in range(n)], blocks[at : at + need]))
+        at += need
+    _eager(r, _batch([(t, 0, table) for t, table in seqs], []))
+    return seqs, blocks[at:]
+
+
+def test_planned_graph_inputs_give_the_eager_logits(planned: ModelRunner) -> None:
+    """Decode by plans in the graphs: each step's plan staged into the graph's static plan
+    buffer (long rows split into chunks merged after, padding rows as empty items) gives the
+    logits of the eager path, whose own plan is built per pass, and of the plain kernel."""
+    r = planned
+    rng = random.Random(4)
+    seqs, _ = _prefilled(r, rng, [150, 7, 90, 33, 140, 12, 64, 5, 120, 48, 77])
+    step = [([rng.randrange(3, 1000)], len(t), table) for t, table in seqs]
+    assert r.graphs.size_for(len(step)) == 16 and 16 in r.graphs.plan_sizes
+    eager, graph = _both_paths(r, step, list(range(len(step))))
+    torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
+    # the staged plan: every row's context covered by its chunks (padding rows: one empty
+    # item), and some row split
+    plan = r.graphs._plan_views(16)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for row, start, end, _ in plan.work.tolist():
+        if row >= 0:
+            spans.setdefault(row, []).append((start, end))
+    contexts = [len(t) + 1 for t, _ in seqs] + [0] * 5
+    for row, context in enumerate(contexts):
+        got = sorted(spans[row])
+        assert got[0][0] == 0 and got[-1][1] == context
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+    assert any(m[0] >= 0 for m in plan.merges.tolist()), "no row was split: no merge covered"
+    before = r.kv_cache.clone()
+    plain = _eager_without_plans(r, _batch(step, list(range(len(step)))))
+    r.kv_cache.copy_(before)
+    torch.testing.assert_close(graph, plain, rtol=0, atol=1e-5)
+
+    # A smaller batch next: stale plan rows of the larger one must not matter.
+    r.run(_batch(step, []))
+    step2 = [([rng.randrange(3, 1000)], len(t) + 1, table) for t, table in seqs[:3]]
+    eager, graph = _both_paths(r, step2, [0, 2])
+    torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
+
+
+def _eager_without_plans(r: ModelRunner, batch: StepBatch) -> torch.Tensor:
+    planner, r.planner = r.planner, None
+    try:
+        return _eager(r, batch)
+    finally:
+        r.planner = planner
+
+
+def test_mixed_batch_decode_rows_by_a_plan(planned: ModelRunner) -> None:
+    """A mixed pass's decode rows attend by a plan (split rows merged) and give the logits of
+    the decodes and the chunks run apart without plans."""
+    r = planned
+    rng = random.Random(5)
+    seqs, free = _prefilled(r, rng, [130, 9, 70])
+    chunk_table = free[:8]
+    decodes = [([rng.randrange(3, 1000)], len(t), table) for t, table in seqs]
+    chunks = [([rng.randrange(3, 1000) for _ in range(20)], 0, chunk_table)]
+    inputs, _ = build_inputs(_batch(decodes + chunks, [0]), r.block_size, r.device, r.planner)
+    assert inputs.meta.decode_order is None and inputs.meta.decode_plan is not None
+    assert inputs.meta.decode_plan.merges.shape[0] >= 1  # the 131-token context is split
+    before = r.kv_cache.clone()
+    mixed = _eager(r, _batch(decodes + chunks, [0, 1, 2, 3]))
+    r.kv_cache.copy_(before)
+    apart = torch.cat([_eager_without_plans(r, _batch(decodes, [0, 1, 2])),
+                       _eager_without_plans(r, _batch(chunks, [0]))])  # fmt: skip
+    torch.testing.assert_close(mixed, apart, rtol=0, atol=1e-4)
 
 
 def test_slot_mapping_is_kvblocks_rule() -> None:

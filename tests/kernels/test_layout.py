@@ -25,6 +25,7 @@ ENGINE_NAMES = {
     "paged_decode_attention",
     "DecodePlan",
     "decode_plan_capacity",
+    "decode_plan_pays",
     "plan_decode",
     "copy_blocks",
     "swap_blocks",
@@ -61,7 +62,7 @@ def test_ops_is_the_public_face():
     # Every engine op is found as an operation (the rule `operations()` applies is not vacuous).
     assert set(ops.operations()) == ENGINE_NAMES - {
         "resolve_backend", "MAX_HIDDEN", "FP8_DTYPE", "FP8_MAX", "DecodePlan",
-        "decode_plan_capacity", "plan_decode",
+        "decode_plan_capacity", "decode_plan_pays", "plan_decode",
     }
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
+from pagedattn_kernels.attention import plan as decode_plan
 from pagedattn_kernels.attention import triton_kernels as attention_kernels
 from pagedattn_kernels.attention import triton_launch as attention
 from pagedattn_kernels.cache import triton_kernels as cache_kernels
@@ -191,7 +192,8 @@ def main() -> None:
     # Each op folder's launchers find their kernels through `kernels_for`: hand them proxies
     # that compile and never launch.
     attention_proxy = _proxy(
-        attention_kernels, ("decode_kernel", "decode_reduce_kernel", "prefill_kernel")
+        attention_kernels,
+        ("decode_kernel", "decode_reduce_kernel", "decode_merge_kernel", "prefill_kernel"),
     )
     attention.kernels_for = lambda device, module: attention_proxy
     cache_proxy = _proxy(cache_kernels, ("reshape_and_cache_kernel", "copy_blocks_kernel"))
@@ -244,6 +246,7 @@ def main() -> None:
         # longest first, as the engine's decode steps run it (seq_order)
         attention.paged_decode_attention(qd, kc, kc, bt, lens, 0.1, 512, torch.empty_like(qd),
                                          seq_order=torch.tensor([1, 0], dtype=torch.int32))  # fmt: skip
+        _planned(qd, kc, bt, lens)
         cache.reshape_and_cache(
             q[:, :hkv].contiguous(), q[:, :hkv].contiguous(), kc, kc,
             torch.zeros(8, dtype=torch.int64),
@@ -253,6 +256,16 @@ def main() -> None:
     if args.head_dim is None:
         _fused_variants(args.quick)
     _report()
+
+
+def _planned(q, kc, bt, lens, config=None, **scales) -> None:
+    """Decode by a plan (``decode_kernel``'s WORK variant and ``decode_merge_kernel``) with
+    ``config`` (None: the launcher's)."""
+    cfg = config or attention.decode_config(q.shape[2], q.dtype, kv_dtype=kc.dtype,
+                                            num_pairs=q.shape[0] * kc.shape[2])  # fmt: skip
+    plan = decode_plan.build_plan(lens.tolist(), 2, cfg.tile_n, min_chunk=cfg.tile_n)
+    attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
+                                     config=cfg, plan=plan, **scales)  # fmt: skip
 
 
 def _fp8_variants() -> None:
@@ -287,6 +300,8 @@ def _fp8_variants() -> None:
             q, kc, kc, bt, lens, 0.1, 2048, torch.empty_like(q), config=attention.FP8_ONE_WARP,
             k_scale=unit, v_scale=unit, seq_order=torch.tensor([1, 0], dtype=torch.int32),
         )  # fmt: skip
+        for cfg in (None, attention.FP8_NARROW, attention.FP8_ONE_WARP):  # by decode plans
+            _planned(q, kc, bt, lens, cfg, k_scale=unit, v_scale=unit)
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),
                                   k_scale=unit, v_scale=unit)  # fmt: skip

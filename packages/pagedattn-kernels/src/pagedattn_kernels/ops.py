@@ -27,7 +27,12 @@ Triton itself is imported at the first Triton launch, so CPU users need no trito
 from collections.abc import Callable
 
 from pagedattn_kernels.attention.ops import paged_attention, paged_decode_attention
-from pagedattn_kernels.attention.plan import DecodePlan, decode_plan_capacity, plan_decode
+from pagedattn_kernels.attention.plan import (
+    DecodePlan,
+    decode_plan_capacity,
+    decode_plan_pays,
+    plan_decode,
+)
 from pagedattn_kernels.cache.ops import copy_blocks, reshape_and_cache, swap_blocks, swap_stream
 from pagedattn_kernels.common import BACKENDS, FP8_DTYPE, FP8_MAX, resolve_backend
 from pagedattn_kernels.fused.ops import (
@@ -50,6 +55,7 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     # attention/plan.py: the work plan of a decode call (host code, not an op)
     "DecodePlan",
     "decode_plan_capacity",
+    "decode_plan_pays",
     "plan_decode",
     # cache/
     "copy_blocks",

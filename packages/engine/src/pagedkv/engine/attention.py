@@ -74,6 +74,9 @@ class AttentionMetadata:
     # the order their attention programs should start, longest context first
     # (`worker.inputs.longest_first`; the kernel's `seq_order`). None: batch order.
     decode_order: torch.Tensor | None = None
+    # ... or, where plans pay, the decode rows' attention plan (`worker.decode_plans`): which
+    # program attends which chunk of which row, in place of the kernel's splits and the order.
+    decode_plan: pagedattn_kernels.DecodePlan | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -158,6 +161,7 @@ class Attention(nn.Module):
                 max_seq_len=meta.max_seq_len,
                 out=out,
                 seq_order=meta.decode_order,
+                plan=meta.decode_plan,
                 **scales,
             )
         elif meta.num_decode_seqs:
@@ -174,6 +178,7 @@ class Attention(nn.Module):
                 max_seq_len=meta.max_seq_len,
                 out=out[:nd],
                 seq_order=meta.decode_order,
+                plan=meta.decode_plan,
                 **scales,
             )
             pagedattn_kernels.paged_attention(

@@ -24,12 +24,14 @@ fixed capacity (``plan_capacity``) replays any later plan of the same batch size
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pagedattn_kernels.common import fail
+from pagedattn_kernels.common import FP8_DTYPE, fail
 
 #: The fewest tokens a chunk of a split sequence holds (rounded up to whole tiles): shorter
 #: chunks cost a program's fixed latency and a merge for little work.
@@ -80,8 +82,11 @@ def chunk_size(lens: Sequence[int], lanes: int, tile_n: int, min_chunk: int = MI
     latency. With nearly as many rows as lanes that left no room to split the long ones: on
     an H200 with real ShareGPT contexts at 128 sequences, 4 rows split and 79.3 us against
     the bfloat16 cache's 56.1.)"""
-    longest = max(lens, default=0)
-    chunk = max(-(-sum(lens) // max(lanes, 1)), min_chunk, -(-longest // MAX_CHUNKS), 1)
+    return _chunk(sum(lens), max(lens, default=0), lanes, tile_n, min_chunk)
+
+
+def _chunk(total: int, longest: int, lanes: int, tile_n: int, min_chunk: int) -> int:
+    chunk = max(-(-total // max(lanes, 1)), min_chunk, -(-longest // MAX_CHUNKS), 1)
     return min(_round_up(chunk, tile_n), max(_round_up(longest, tile_n), tile_n))
 
 
@@ -99,44 +104,41 @@ def build_plan(
 ) -> DecodePlan:  # fmt: skip
     """The plan (host tensors) of a decode batch with contexts ``seq_lens`` (host ints; 0 for
     a padding row, which gets one empty item: its output is zeros). ``size``: pad ``work`` and
-    ``merges`` to these many rows (``capacity``), else exactly as many as needed."""
+    ``merges`` to these many rows (``capacity``), else exactly as many as needed.
+
+    numpy, not torch ops: a plan is built on the host for every decode step, and a dozen
+    small torch calls cost several times its few microseconds of numpy."""
     if isinstance(seq_lens, torch.Tensor):
-        lens_t = seq_lens.to("cpu", torch.int64).reshape(-1)
-        lens = lens_t.tolist()
+        lens = seq_lens.to("cpu", torch.int64).reshape(-1).numpy()
     else:
-        lens = [int(n) for n in seq_lens]
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-    if any(n < 0 for n in lens):
+        lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    if lens.size and lens.min() < 0:
         raise ValueError("build_plan: context lengths must be >= 0")
-    chunk = chunk_size(lens, lanes, tile_n, min_chunk)
-    n = len(lens)
-    counts = torch.where(lens_t > 0, (lens_t + chunk - 1) // chunk, 1)
+    chunk = _chunk(int(lens.sum()), int(lens.max(initial=0)), lanes, tile_n, min_chunk)
+    counts = np.maximum((lens + chunk - 1) // chunk, 1)
     # every chunk of a row but its last: the row's own length shared evenly, in whole tiles
-    per = (lens_t + counts - 1) // counts
-    per = (per + tile_n - 1) // tile_n * tile_n
-    rows = torch.repeat_interleave(torch.arange(n), counts)
-    ends = torch.cumsum(counts, 0)
-    firsts = ends - counts
-    index = torch.arange(int(ends[-1]) if n else 0) - firsts[rows]
-    start = index * per[rows]
-    end = torch.minimum(start + per[rows], lens_t[rows])
+    per = ((lens + counts - 1) // counts + tile_n - 1) // tile_n * tile_n
+    rows = np.repeat(np.arange(lens.size), counts)
+    firsts = np.cumsum(counts) - counts
+    start = (np.arange(rows.size) - firsts[rows]) * per[rows]
+    end = np.minimum(start + per[rows], lens[rows])
     split = counts[rows] > 1
-    partial = torch.where(split, torch.cumsum(split, 0) - 1, -1)
-    order = torch.argsort(end - start, descending=True, stable=True)
-    work = torch.stack([rows, start, end, partial], dim=1)[order].to(torch.int32)
-    split_rows = torch.nonzero(counts > 1).flatten()
-    merges = torch.stack([split_rows, partial[firsts[split_rows]], counts[split_rows]], dim=1)
-    merges = merges.to(torch.int32)
+    partial = np.where(split, np.cumsum(split) - 1, -1)
+    order = np.argsort(start - end, kind="stable")  # longest first, ties in row order
+    work = np.stack([rows, start, end, partial], axis=1)[order]
+    split_rows = np.flatnonzero(counts > 1)
+    merges = np.stack([split_rows, partial[firsts[split_rows]], counts[split_rows]], axis=1)
     if size is not None:
         work = _pad(work, size[0], "items")
         merges = _pad(merges, size[1], "merges")
-    return DecodePlan(work, merges, tile_n)
+    return DecodePlan(torch.from_numpy(work.astype(np.int32)),
+                      torch.from_numpy(merges.astype(np.int32)), tile_n)  # fmt: skip
 
 
-def _pad(t: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+def _pad(t: np.ndarray, rows: int, what: str) -> np.ndarray:
     if t.shape[0] > rows:
         raise ValueError(f"build_plan: {t.shape[0]} {what} do not fit a capacity of {rows}")
-    out = torch.full((rows, t.shape[1]), -1, dtype=torch.int32)
+    out = np.full((rows, t.shape[1]), -1, dtype=np.int64)
     out[: t.shape[0]] = t
     return out
 
@@ -191,3 +193,20 @@ def decode_plan_capacity(
                                           torch.device(device))  # fmt: skip
     return capacity(num_seqs, lanes)
 
+
+#: Where plans pay, in (sequence, KV head) pairs: at most this many. On an H200 with the
+#: contexts of a real ShareGPT run (Llama-3-8B heads, CUDA graphs, against the longest-first
+#: order and the automatic splits; ``docs/performance/gpu_runs/2026-12-02h/``), fp8 caches ran
+#: 1.2-1.8x as fast at 16-256 sequences and 1.09x at 384, but 0.95x at 768; bfloat16 caches
+#: 1.15-1.6x at 16-64 sequences and 0.97-0.99x from 128, where the one-wave programs of wide
+#: tiles already balance. ``PAGEDATTN_PLAN_MAX_PAIRS_FP8`` / ``_16BIT`` (read at import) move
+#: them, for A/B runs.
+PLAN_MAX_PAIRS_FP8 = int(os.environ.get("PAGEDATTN_PLAN_MAX_PAIRS_FP8", str(512 * 8)))
+PLAN_MAX_PAIRS_16BIT = int(os.environ.get("PAGEDATTN_PLAN_MAX_PAIRS_16BIT", str(64 * 8)))
+
+
+def decode_plan_pays(num_seqs: int, *, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
+    """Whether a decode call of ``num_seqs`` rows on a ``kv_dtype`` cache runs faster by a plan
+    than by the automatic splits and the longest-first order (``PLAN_MAX_PAIRS_FP8``)."""
+    most = PLAN_MAX_PAIRS_FP8 if kv_dtype == FP8_DTYPE else PLAN_MAX_PAIRS_16BIT
+    return num_seqs * num_kv_heads <= most

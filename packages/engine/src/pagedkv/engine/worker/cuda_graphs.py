@@ -17,10 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from pagedattn_kernels import DecodePlan
 from pagedkv.engine.attention import AttentionMetadata
 from pagedkv.engine.worker import inputs
+from pagedkv.engine.worker.decode_plans import DecodePlanner
 from pagedkv.engine.worker.inputs import longest_first, slot_mapping
 from pagedkv.engine.worker.staging import StagedTables, host_tensor
 
@@ -48,7 +51,10 @@ class DecodeGraphs:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list, *, block_size: int, max_model_len: int,
         max_blocks_per_seq: int, max_num_seqs: int, device: torch.device,
+        planner: DecodePlanner | None = None,
     ) -> None:
+        """`planner`: decode attention by plans for the batch sizes where they pay (each
+        graph captured with static plan buffers of its capacity)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -56,6 +62,14 @@ class DecodeGraphs:
         self.device = device
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.planner = planner
+        # per planned batch size: (items, merges) of its plan buffers, and the kernel tile
+        self.plan_sizes: dict[int, tuple[int, int, int]] = {}
+        if planner is not None:
+            for b in self.sizes:
+                if planner.pays(b):
+                    items, merges = planner.capacity(b)
+                    self.plan_sizes[b] = (items, merges, planner.plan([0] * b).tile_n)
         self._alloc_inputs(self.sizes[-1], max_blocks_per_seq)
 
     def _alloc_inputs(self, top: int, width: int) -> None:
@@ -78,19 +92,51 @@ class DecodeGraphs:
         ]
         self._turn = 0
         self._padding_rows = torch.arange(top, dtype=torch.int32)
+        # decode plans: one static buffer of the largest capacity, each graph using its first
+        # rows (work rows, then merge rows), and pinned stages in turn; all padding (-1) to start
+        items = max((c[0] * 4 + c[1] * 3 for c in self.plan_sizes.values()), default=0)
+        self.plan_buf = torch.full((items,), -1, dtype=torch.int32, device=dev)
+        self._plan_stages = [torch.full((items,), -1, dtype=torch.int32, pin_memory=pin)
+                             for _ in range(2)]  # fmt: skip
 
     def _forward(self, b: int) -> torch.Tensor:
         """The decode pass over the first `b` static rows (what each graph captures)."""
         pos = self.pos[:b]
         lens = self.lens[:b]
         slots = slot_mapping(self.tables[:b], self.rows[:b], pos, self.block_size)
+        plan = self._plan_views(b)
         meta = AttentionMetadata(
             slot_mapping=torch.where(lens > 0, slots, -1), block_tables=self.tables[:b],
             seq_lens=lens, cu_query_lens=self.cu[: b + 1], max_query_len=1,
             max_seq_len=self.max_model_len, decode_only=True,
-            decode_order=self.order[:b] if inputs.DECODE_ORDER else None,
+            decode_order=self.order[:b] if inputs.DECODE_ORDER and plan is None else None,
+            decode_plan=plan,
         )
         return self.model(self.ids[:b], pos, self.kv_caches, meta)
+
+    def _plan_views(self, b: int, buf: torch.Tensor | None = None) -> DecodePlan | None:
+        """The plan of the graph of `b` rows as views of `buf` (the static plan buffer, or a
+        staging one of the same layout); None where plans do not pay."""
+        if b not in self.plan_sizes:
+            return None
+        items, merges, tile_n = self.plan_sizes[b]
+        buf = self.plan_buf if buf is None else buf
+        work = buf[: items * 4].view(items, 4)
+        return DecodePlan(work, buf[items * 4 : items * 4 + merges * 3].view(merges, 3), tile_n)
+
+    def _stage_plan(self, b: int, positions: torch.Tensor, turn: int) -> None:
+        """Plan this step's rows (contexts: position + 1; padding rows 0) into the pinned stage
+        of `turn`, then copy it to the static plan buffer, ordered before the replay."""
+        n = positions.shape[0]
+        lens = np.zeros(b, dtype=np.int64)
+        lens[:n] = positions.numpy() + 1
+        plan = self.planner.plan(lens, padded=True)
+        stage = self._plan_stages[turn]
+        staged = self._plan_views(b, stage)
+        staged.work.copy_(plan.work)
+        staged.merges.copy_(plan.merges)
+        used = staged.work.numel() + staged.merges.numel()
+        self.plan_buf[:used].copy_(stage[:used], non_blocking=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -149,7 +195,9 @@ class DecodeGraphs:
         self.lens[n:b].zero_()
         # attention's schedule: the real rows longest first (by position: length - 1), then
         # the padding rows in their own order
-        if inputs.DECODE_ORDER:
+        if b in self.plan_sizes:
+            self._stage_plan(b, stage[1, :n], turn)
+        elif inputs.DECODE_ORDER:
             order_stage = self._order_stages[turn]
             order_stage[:n] = longest_first(stage[1, :n])
             order_stage[n:b] = self._padding_rows[n:b]

@@ -20,6 +20,7 @@ from itertools import chain
 import torch
 
 from pagedkv.engine.attention import AttentionMetadata
+from pagedkv.engine.worker.decode_plans import DecodePlanner
 from pagedkv.engine.worker.staging import host_tensor
 
 
@@ -150,12 +151,14 @@ def _decode_order(seq_lens: torch.Tensor, rows: int,
 
 
 def build_inputs(
-    batch: StepBatch, block_size: int, device: torch.device
-) -> tuple[StepInputs, list[int]]:
+    batch: StepBatch, block_size: int, device: torch.device,
+    planner: DecodePlanner | None = None,
+) -> tuple[StepInputs, list[int]]:  # fmt: skip
     """Flat inputs of a prefill or mixed batch, and the query length of each sequence.
 
     Positions and slots are computed from a few host tensors, then everything is copied to
-    `device` without waiting."""
+    `device` without waiting. With a `planner`, decode rows where plans pay attend by a
+    plan (`decode_plans`), else in the longest-first order."""
     ids = list(chain.from_iterable(batch.token_ids))
     qlens = [len(t) for t in batch.token_ids]
     num_seqs = len(qlens)
@@ -177,6 +180,10 @@ def build_inputs(
     if max_q > 1:
         while qlens[num_decode] == 1:
             num_decode += 1
+    decode_rows = num_seqs if max_q == 1 else num_decode
+    plan = None
+    if planner is not None and planner.pays(decode_rows):
+        plan = planner.plan(seq_lens[:decode_rows]).to(device, non_blocking=True)
     meta = AttentionMetadata(
         slot_mapping=slots.to(device, non_blocking=True),
         block_tables=block_tables.to(device, non_blocking=True),
@@ -188,7 +195,8 @@ def build_inputs(
         num_decode_seqs=num_decode,
         prefill_cu_query_lens=(cu[num_decode:] - num_decode).to(device, non_blocking=True)
         if num_decode else None,
-        decode_order=_decode_order(seq_lens, num_seqs if max_q == 1 else num_decode, device),
+        decode_order=_decode_order(seq_lens, decode_rows, device) if plan is None else None,
+        decode_plan=plan,
     )
     inputs = StepInputs(
         input_ids=host_tensor(ids).to(device, non_blocking=True),

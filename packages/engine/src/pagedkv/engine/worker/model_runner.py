@@ -38,6 +38,7 @@ from pagedkv.engine.model_loader import load_model
 from pagedkv.engine.models.quantization import is_quantized, quantization_of
 from pagedkv.engine.outputs import PositionLogprobs, RunnerOutput
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagedkv.engine.worker.decode_plans import DecodePlanner
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, step_batch
 from pagedkv.engine.worker.piecewise_graphs import PiecewiseGraphs, piecewise_token_sizes
 from pagedkv.engine.worker.sampler import prompt_logprobs
@@ -214,12 +215,14 @@ class ModelRunner:
         self.sampler = BatchSampler(device, sorted(model_config.eos_token_ids), args.seed,
                                     model_config.vocab_size)
         self._allocate_kv_cache()
+        # decode attention by plans where they pay (None off a GPU)
+        self.planner = DecodePlanner.for_caches(self.kv_caches, self.dtype)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not args.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, block_size=self.block_size,
                 max_model_len=self.max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
-                max_num_seqs=args.max_num_seqs, device=device,
+                max_num_seqs=args.max_num_seqs, device=device, planner=self.planner,
             )
             self.graphs.capture()
         # Batches with a prompt chunk: piecewise graphs (one GPU; not yet over tensor-parallel
@@ -466,7 +469,7 @@ class ModelRunner:
             logits = self.greedy_tokens(hidden) if greedy else self.model.compute_logits(hidden)
             self._end_span()
             return logits
-        inputs, _ = build_inputs(batch, self.block_size, self.device)
+        inputs, _ = build_inputs(batch, self.block_size, self.device, self.planner)
         if pending is not None:
             pending.write_into(inputs.input_ids)
         self._begin_span()
