@@ -6,17 +6,18 @@ static inputs, attention on the real rows between them."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
 import pytest
 import torch
 
+from pagedattn_kernels.attention import plan as decode_plan
+from pagedattn_kernels.attention import triton_launch
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.worker import inputs as inputs_module
-from pagedattn_kernels.attention import plan as decode_plan
-from pagedattn_kernels.attention import triton_launch
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.decode_plans import DecodePlanner
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, slot_mapping
@@ -177,7 +178,7 @@ def test_planned_graph_inputs_give_the_eager_logits(planned: ModelRunner) -> Non
     for row, context in enumerate(contexts):
         got = sorted(spans[row])
         assert got[0][0] == 0 and got[-1][1] == context
-        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
     assert any(m[0] >= 0 for m in plan.merges.tolist()), "no row was split: no merge covered"
     before = r.kv_cache.clone()
     plain = _eager_without_plans(r, _batch(step, list(range(len(step)))))
