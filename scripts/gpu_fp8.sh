@@ -30,6 +30,9 @@
 #     fp8 weights + fp8 KV then bf16 (no transformers runs), RATIO_ROUNDS (2) times
 #     interleaved: each round's fp8/bf16 ratio, their median and spread
 #                                                  -> ..._{fp8,bf16}_r{1,2}.json
+#   bash scripts/gpu_fp8.sh plan               # ~6 min, carrying .gpu_data
+#     the fp8 and the bf16 run with decode plans where they pay (the engine's default) and
+#     without (PAGEDKV_DECODE_PLAN=0); PLAN_RUNS picks them  -> ..._{fp8,bf16}_plan{1,0}.json
 #   bash scripts/gpu_fp8.sh rows256            # ~1 min, carrying .gpu_data
 #     the fp8 run with PAGEDKV_FP8_MATMUL_MAX_ROWS=256: pagedattn_kernels.fp8_matmul for the
 #     decode matmuls of 129-256 rows too (torch._scaled_mm there by default)
@@ -296,6 +299,12 @@ PY
       # decode attention programs longest context first (the engine's default) against batch
       # order (PAGEDKV_DECODE_ORDER=0): ORDER_RUNS lists KIND:ORDER, run in turn
       ab_runs PAGEDKV_DECODE_ORDER order "${ORDER_RUNS:-fp8:1 bf16:1 fp8:0 bf16:0}"
+      ;;
+    plan)
+      # decode attention by plans where they pay (the engine's default) against the
+      # longest-first order and automatic splits everywhere (PAGEDKV_DECODE_PLAN=0): PLAN_RUNS
+      # lists KIND:ON, run in turn
+      ab_runs PAGEDKV_DECODE_PLAN plan "${PLAN_RUNS:-fp8:1 fp8:0 bf16:1 bf16:0}"
       ;;
     rows256)
       PAGEDKV_FP8_MATMUL_MAX_ROWS=256 throughput _fp8_rows256 --kv-cache-dtype fp8 --quantization fp8

@@ -1,10 +1,11 @@
 """Decode work plans (``pagedattn_kernels.attention.plan``) and the planned decode launch.
 
 - ``chunk_size`` and ``build_plan`` (Hypothesis, host only): the chunk bound its docstring
-  defines (whole tiles, the smallest that makes one wave when there are fewer rows than
-  lanes); every row's context covered exactly once by whole-tile chunks, longest first, a
-  padding row by one empty item, the partial rows of a split row contiguous and named by its
-  one merge entry, within ``capacity``, and a padded plan holding the same items;
+  defines (the least whole tiles holding a lane's average work, ``min_chunk`` and
+  1/MAX_CHUNKS of the longest row); every row's context covered exactly once by whole-tile
+  chunks, longest first, a padding row by one empty item, the partial rows of a split row
+  contiguous and named by its one merge entry, within ``capacity``, and a padded plan
+  holding the same items; ``plan_decode`` as ``build_plan`` for the launch's tile and lanes;
 - ``paged_decode_attention(plan=...)`` against the float64 reference and the unplanned path:
   padding rows (zeros), split rows, GQA, fp32 / bf16 / fp16 queries, a padded head dim, blocks
   larger than the interpreter's tile, fp8 caches with scales, padded plans, plans of many
@@ -257,7 +258,8 @@ def _lens(target, gen) -> list[int]:
 def _run_plans(target, seed, batch, dtype, kv_dtype, scales):
     """The batch decoded without a plan, with its plan and with its padded plan: each matches
     the float64 reference, the padded plan's output is the plan's bit for bit (same chunks),
-    padding rows get zeros; the torch backend ignores plans (bit-identical)."""
+    padding rows get zeros; the torch backend ignores plans (on the CPU: bit-identical; on
+    CUDA two runs of its fp8 path can differ in the last bit, plan or not)."""
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
     num_kv_heads, head_dim = batch.key_cache.shape[2], batch.query.shape[2]
     ref = reference.paged_decode_attention(*args, **scales)
@@ -279,10 +281,11 @@ def _run_plans(target, seed, batch, dtype, kv_dtype, scales):
         for row, n in enumerate(batch.lens):
             if n == 0:
                 assert bool((out[row] == 0).all()), f"padding row {row} must be zeros"
-        if target.backend == "torch":
+        if target.backend == "torch" and not target.full:  # (torch on CUDA: not bitwise)
             assert torch.equal(out, plain), "the torch backend ignores plans"
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]), f"padded plan differs from the plan (seed={seed})"
+    if target.backend == "triton" or not target.full:
+        assert torch.equal(outs[0], outs[1]), f"padded plan differs from the plan (seed={seed})"
 
 
 # (head_dim, query and cache dtype, block_size, queries per KV head, KV heads)
@@ -392,6 +395,9 @@ def _unchanged(fn, *tensors) -> str:
 
 
 def test_decode_rejects_bad_plans():
+    """A plan's tensors of the wrong dtype, width, rank or device, non-contiguous, not a
+    DecodePlan, or beside num_splits / seq_order: rejected on either backend; a plan in other
+    tiles than the kernel's: rejected by the Triton launch (ignored by the torch path)."""
     gen = torch.Generator().manual_seed(2)
     lens = [300, 0, 40]
     b = random_paged_batch(gen, lens, [1] * 3, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -416,8 +422,8 @@ def test_decode_rejects_bad_plans():
         (DecodePlan(wide, merges, 64), "plan.work must be int32 [rows, 4]"),
         (DecodePlan(work.reshape(-1), merges, 64), "plan.work must be int32 [rows, 4]"),
         (DecodePlan(work, merges[:, :2].contiguous(), 64), "plan.merges must be int32 [rows, 3]"),
-        (DecodePlan(work.to(elsewhere), merges, 64), "plan.work must be contiguous on cpu"),
-        (DecodePlan(work, merges.to(elsewhere), 64), "plan.merges must be contiguous on cpu"),
+        (DecodePlan(work.to(elsewhere), merges, 64), "plan.work must be on cpu (the query"),
+        (DecodePlan(work, merges.to(elsewhere), 64), "plan.merges must be on cpu (the query"),
         (DecodePlan(wide[:, :4], merges, 64), "plan.work must be contiguous"),
         (DecodePlan(work.t().contiguous().t(), merges, 64), "plan.work must be contiguous"),
         ((work, merges, 64), "plan must be a DecodePlan, got tuple"),
@@ -439,13 +445,17 @@ def test_decode_rejects_bad_plans():
 
 
 def test_plan_decode_rejects():
+    """Negative context lengths (list or tensor), a min_chunk that is not a positive int, no
+    KV heads or no head dim: a ValueError naming plan_decode."""
     kw = {"num_kv_heads": 2, "head_dim": 64, "dtype": BF16, "kv_dtype": BF16, "device": "cpu"}
     for lens in ([5, -1, 3], torch.tensor([5, -1], dtype=torch.int32)):
         with pytest.raises(ValueError, match=r"^plan_decode: context lengths must be >= 0"):
             pk.plan_decode(lens, **kw)
-    for min_chunk in (0, -128, 1.5, "128"):
+    for min_chunk in (0, -128, 1.5, "128", True):
         with pytest.raises(ValueError, match=r"^plan_decode: min_chunk must be a positive int"):
             pk.plan_decode([5, 300], **{**kw, "min_chunk": min_chunk})
     for bad in ({"num_kv_heads": 0}, {"num_kv_heads": -2}, {"head_dim": 0}):
         with pytest.raises(ValueError, match=r"^plan_decode: num_kv_heads and head_dim must be"):
             pk.plan_decode([5, 300], **{**kw, **bad})
+        with pytest.raises(ValueError, match=r"^decode_plan_capacity: num_kv_heads and head_d"):
+            pk.decode_plan_capacity(4, **{**kw, **bad})

@@ -158,9 +158,11 @@ def _check_plan(op: str, plan: DecodePlan, query: torch.Tensor, num_splits: int 
         if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != width:
             raise fail(op, f"plan.{name} must be int32 [rows, {width}], got {t.dtype} "
                            f"{list(t.shape)}")  # fmt: skip
-        if t.device != query.device or not t.is_contiguous():
-            raise fail(op, f"plan.{name} must be contiguous on {query.device}, got "
+        if t.device != query.device:
+            raise fail(op, f"plan.{name} must be on {query.device} (the query's device), got "
                            f"{t.device}")  # fmt: skip
+        if not t.is_contiguous():
+            raise fail(op, f"plan.{name} must be contiguous")
 
 
 def _check_order(op: str, order: torch.Tensor, query: torch.Tensor) -> None:

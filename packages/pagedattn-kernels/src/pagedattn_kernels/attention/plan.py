@@ -10,8 +10,8 @@ a real ShareGPT run, decode attention on the fp8 cache took 33.8 us at 32 sequen
 (``docs/performance/gpu_runs/2026-12-02f/``).
 
 A plan cuts each sequence into chunks of at most ``chunk`` tokens, the same bound for every
-sequence, chosen from the whole batch (``chunk_size``): no longer than the work one program
-slot gets on average. The chunks of a split
+sequence, chosen from the whole batch (``chunk_size``): the work one program slot gets on
+average (rounded up to whole tiles, and at least ``MIN_CHUNK``). The chunks of a split
 sequence write partial outputs, which ``decode_merge_kernel`` merges; a sequence of one chunk
 writes its output directly. The chunks are listed longest first (list scheduling's longest
 processing time first rule), so the long ones start at once and the short ones fill in.
@@ -19,7 +19,8 @@ processing time first rule), so the long ones start at once and the short ones f
 This is FlashInfer's plan-then-run split of a decode call: the plan is host work on lengths
 the host already knows (a scheduler knows every context length), a few torch ops per step,
 and the run reads it from two small int32 tensors, so a CUDA graph captured with a plan of
-fixed capacity (``plan_capacity``) replays any later plan of the same batch size.
+fixed capacity (``capacity``, ``decode_plan_capacity``) replays any later plan of the same
+batch size.
 """
 
 from __future__ import annotations
@@ -164,10 +165,8 @@ def plan_decode(
     from pagedattn_kernels.attention import triton_launch  # it imports this module
 
     op = "plan_decode"
-    if num_kv_heads < 1 or head_dim < 1:
-        raise fail(op, f"num_kv_heads and head_dim must be positive, got {num_kv_heads}, "
-                       f"{head_dim}")  # fmt: skip
-    if min_chunk is not None and (not isinstance(min_chunk, int) or min_chunk < 1):
+    _check_heads(op, num_kv_heads, head_dim)
+    if min_chunk is not None and (type(min_chunk) is not int or min_chunk < 1):
         raise fail(op, f"min_chunk must be a positive int, got {min_chunk!r}")
     num_seqs = seq_lens.numel() if isinstance(seq_lens, torch.Tensor) else len(seq_lens)
     cfg, lanes = triton_launch.decode_lanes(num_seqs, num_kv_heads, head_dim, dtype, kv_dtype,
@@ -189,9 +188,18 @@ def decode_plan_capacity(
     """The rows of a padded plan's ``work`` and ``merges`` for ``num_seqs`` rows: the most any
     plan of that many rows needs (a CUDA graph's static plan buffers)."""
     from pagedattn_kernels.attention import triton_launch
+
+    _check_heads("decode_plan_capacity", num_kv_heads, head_dim)
     _, lanes = triton_launch.decode_lanes(num_seqs, num_kv_heads, head_dim, dtype, kv_dtype,
                                           torch.device(device))  # fmt: skip
     return capacity(num_seqs, lanes)
+
+
+def _check_heads(op: str, num_kv_heads: int, head_dim: int) -> None:
+    if type(num_kv_heads) is not int or type(head_dim) is not int or min(num_kv_heads,
+                                                                          head_dim) < 1:
+        raise fail(op, f"num_kv_heads and head_dim must be positive ints, got "
+                       f"{num_kv_heads!r}, {head_dim!r}")  # fmt: skip
 
 
 #: Where plans pay, in (sequence, KV head) pairs: at most this many. On an H200 with the
