@@ -204,12 +204,16 @@ def _check_heads(op: str, num_kv_heads: int, head_dim: int) -> None:
 
 #: Where plans pay, in (sequence, KV head) pairs: at most this many. On an H200 with the
 #: contexts of a real ShareGPT run (Llama-3-8B heads, CUDA graphs, against the longest-first
-#: order and the automatic splits; ``docs/performance/gpu_runs/2026-12-02h/``), fp8 caches ran
-#: 1.2-1.8x as fast at 16-256 sequences and 1.09x at 384, but 0.95x at 768; bfloat16 caches
-#: 1.15-1.6x at 16-64 sequences and 0.97-0.99x from 128, where the one-wave programs of wide
-#: tiles already balance. ``PAGEDATTN_PLAN_MAX_PAIRS_FP8`` / ``_16BIT`` (read at import) move
-#: them, for A/B runs.
-PLAN_MAX_PAIRS_FP8 = int(os.environ.get("PAGEDATTN_PLAN_MAX_PAIRS_FP8", str(512 * 8)))
+#: order and the automatic splits; ``docs/performance/gpu_runs/2026-12-02h/``), fp8 caches'
+#: attention alone ran 1.2-1.8x as fast at 16-256 sequences, 1.09x at 384 and 0.95x at 768;
+#: bfloat16 caches 1.15-1.6x at 16-64 sequences and 0.97-0.99x from 128, where the one-wave
+#: programs of wide tiles already balance. In the fp8 run itself (e8704b8, plans up to 512
+#: sequences) the passes of 65-256 sequences took 6.51 against 6.82 ms and those of 1-64
+#: 3.63 against 3.73, but those of 257-512 11.02 against 10.86: there, with few rows split,
+#: the plan's padding items and merge programs cost more than the balance gains. So fp8
+#: plans stop at 256 sequences. ``PAGEDATTN_PLAN_MAX_PAIRS_FP8`` / ``_16BIT`` (read at import)
+#: move the bounds, for A/B runs.
+PLAN_MAX_PAIRS_FP8 = int(os.environ.get("PAGEDATTN_PLAN_MAX_PAIRS_FP8", str(256 * 8)))
 PLAN_MAX_PAIRS_16BIT = int(os.environ.get("PAGEDATTN_PLAN_MAX_PAIRS_16BIT", str(64 * 8)))
 
 
