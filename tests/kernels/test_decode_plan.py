@@ -32,7 +32,13 @@ from pagedattn_kernels.attention.plan import (
     capacity,
     chunk_size,
 )
-from pagedattn_kernels.testing import TOLERANCE, poisoned_like, random_paged_batch, rel_error
+from pagedattn_kernels.testing import (
+    TOLERANCE,
+    poisoned_like,
+    random_paged_batch,
+    rejected_unchanged,
+    rel_error,
+)
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, pk.FP8_DTYPE
 TILES = [16, 32, 64, 128]
@@ -385,15 +391,6 @@ def test_planned_decode_follows_any_valid_plan(target, seed, group, poisoned_scr
 # --------------------------------------------------------------------------- bad calls
 
 
-def _unchanged(fn, *tensors) -> str:
-    before = [t.clone() for t in tensors]
-    with pytest.raises(ValueError) as info:
-        fn()
-    for t, b in zip(tensors, before):
-        assert torch.equal(t, b), "a rejected call must not write"
-    return str(info.value)
-
-
 def test_decode_rejects_bad_plans():
     """A plan's tensors of the wrong dtype, width, rank or device, non-contiguous, not a
     DecodePlan, or beside num_splits / seq_order: rejected on either backend; a plan in other
@@ -430,15 +427,15 @@ def test_decode_rejects_bad_plans():
     ]
     for backend in ("triton", "torch"):  # checked before the backend is chosen
         for plan, match in bad:
-            assert match in _unchanged(call(plan, backend), out), (backend, match)
+            assert match in rejected_unchanged(call(plan, backend), out), (backend, match)
         order = torch.arange(3, dtype=torch.int32)
         for kw in ({"num_splits": 2}, {"num_splits": 1}, {"seq_order": order}):
-            msg = _unchanged(call(good, backend, **kw), out)
+            msg = rejected_unchanged(call(good, backend, **kw), out)
             assert "pass neither num_splits nor seq_order" in msg, msg
     # A plan in other tiles than the kernel's (built for another dtype or device, say).
     for tile_n in (32, 128):
         other = build_plan(lens, lanes=4, tile_n=tile_n)
-        msg = _unchanged(call(other), out)
+        msg = rejected_unchanged(call(other), out)
         assert f"in tiles of {tile_n} tokens, the kernel's tiles 64" in msg, msg
         # the torch path has no tiles: it ignores the plan
         torch.testing.assert_close(call(other, "torch")(), call(good, "torch")())

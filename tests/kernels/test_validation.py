@@ -7,7 +7,7 @@ import torch
 
 import pagedattn_kernels as pk
 from pagedattn_kernels import resolve_backend
-from pagedattn_kernels.testing import random_paged_batch
+from pagedattn_kernels.testing import random_paged_batch, rejected_unchanged
 
 
 @pytest.fixture
@@ -16,15 +16,6 @@ def caches():
     kc = torch.randn(4, 8, 2, 64, generator=gen)
     vc = torch.randn(4, 8, 2, 64, generator=gen)
     return kc, vc
-
-
-def _unchanged(fn, *tensors):
-    before = [t.clone() for t in tensors]
-    with pytest.raises(ValueError) as info:
-        fn()
-    for t, b in zip(tensors, before):
-        assert torch.equal(t, b), "a rejected call must not write"
-    return str(info.value)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -36,14 +27,14 @@ def test_reshape_and_cache_rejects(caches, backend):
     def call(k=key, v=key, kc_=kc, vc_=vc, slots=good_slots):
         return lambda: pk.reshape_and_cache(k, v, kc_, vc_, slots, backend=backend)
 
-    assert "slot_mapping holds" in _unchanged(call(slots=torch.tensor([0, 32, 1])), kc, vc)
-    assert "slot_mapping holds" in _unchanged(call(slots=torch.tensor([0, -2, 1])), kc, vc)
-    assert "int32 or int64" in _unchanged(call(slots=good_slots.float()), kc, vc)
-    assert "shape" in _unchanged(call(slots=good_slots[:2]), kc, vc)
-    assert "kv heads" in _unchanged(call(k=torch.randn(3, 1, 64), v=torch.randn(3, 1, 64)), kc, vc)
-    assert "differ in shape" in _unchanged(call(v=torch.randn(4, 2, 64)), kc, vc)
-    assert "must match" in _unchanged(call(vc_=vc.half()), kc, vc)
-    assert "float32" in _unchanged(call(k=key.long(), v=key.long()), kc, vc)
+    assert "slot_mapping holds" in rejected_unchanged(call(slots=torch.tensor([0, 32, 1])), kc, vc)
+    assert "slot_mapping holds" in rejected_unchanged(call(slots=torch.tensor([0, -2, 1])), kc, vc)
+    assert "int32 or int64" in rejected_unchanged(call(slots=good_slots.float()), kc, vc)
+    assert "shape" in rejected_unchanged(call(slots=good_slots[:2]), kc, vc)
+    assert "kv heads" in rejected_unchanged(call(k=torch.randn(3, 1, 64), v=torch.randn(3, 1, 64)), kc, vc)
+    assert "differ in shape" in rejected_unchanged(call(v=torch.randn(4, 2, 64)), kc, vc)
+    assert "must match" in rejected_unchanged(call(vc_=vc.half()), kc, vc)
+    assert "float32" in rejected_unchanged(call(k=key.long(), v=key.long()), kc, vc)
 
 
 def test_attention_rejects():
@@ -57,21 +48,21 @@ def test_attention_rejects():
         return lambda: pk.paged_attention(*a, out=out, **kw)
 
     q3 = torch.randn(4, 3, 64)
-    assert "multiple of num_kv_heads" in _unchanged(call(q3, *args[1:]), out)
-    assert "head dim" in _unchanged(call(torch.randn(4, 4, 32), *args[1:]), out)
-    assert "caches are" in _unchanged(call(b.query.half(), *args[1:]), out)
+    assert "multiple of num_kv_heads" in rejected_unchanged(call(q3, *args[1:]), out)
+    assert "head dim" in rejected_unchanged(call(torch.randn(4, 4, 32), *args[1:]), out)
+    assert "caches are" in rejected_unchanged(call(b.query.half(), *args[1:]), out)
     bad_cu = torch.tensor([0, 3, 5], dtype=torch.int32)
-    assert "end at the 4 query rows" in _unchanged(call(*args[:5], bad_cu), out)
+    assert "end at the 4 query rows" in rejected_unchanged(call(*args[:5], bad_cu), out)
     short = torch.tensor([2, 20], dtype=torch.int32)
-    assert "seq_lens 2 < its 3" in _unchanged(call(*args[:4], short, args[5]), out)
+    assert "seq_lens 2 < its 3" in rejected_unchanged(call(*args[:4], short, args[5]), out)
     long = torch.tensor([10, 50], dtype=torch.int32)
-    assert "block_tables has" in _unchanged(call(*args[:4], long, args[5]), out)
+    assert "block_tables has" in rejected_unchanged(call(*args[:4], long, args[5]), out)
     tables = b.block_tables.clone()
     tables[0, 0] = 99
-    assert "points at blocks" in _unchanged(call(*args[:3], tables, *args[4:]), out)
-    assert "max_seq_len hint" in _unchanged(call(*args, max_seq_len=15), out)
-    assert "scale" in _unchanged(call(*args, scale=float("nan")), out)
-    assert "cu_query_lens" in _unchanged(call(*args[:5], b.cu_query_lens[:2]), out)
+    assert "points at blocks" in rejected_unchanged(call(*args[:3], tables, *args[4:]), out)
+    assert "max_seq_len hint" in rejected_unchanged(call(*args, max_seq_len=15), out)
+    assert "scale" in rejected_unchanged(call(*args, scale=float("nan")), out)
+    assert "cu_query_lens" in rejected_unchanged(call(*args[:5], b.cu_query_lens[:2]), out)
     with pytest.raises(ValueError, match="out must have"):
         pk.paged_attention(*args, out=torch.zeros(3, 4, 64))
     with pytest.raises(ValueError, match="backend="):
@@ -86,7 +77,7 @@ def test_attention_rejects():
         def call(order=order):
             return pk.paged_decode_attention(b.query[:2], *args[1:5], out=dec_out, seq_order=order)
 
-        assert match in _unchanged(call, dec_out)
+        assert match in rejected_unchanged(call, dec_out)
     with pytest.raises(ValueError, match="rows but there are 2 sequences"):
         pk.paged_decode_attention(b.query, *args[1:5])
 

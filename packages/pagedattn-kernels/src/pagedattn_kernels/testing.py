@@ -173,3 +173,17 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(i < 0, -(i + sign_bit), i)
 
     return (ordered(a) - ordered(b.to(a.device))).abs()
+
+
+def rejected_unchanged(fn, *tensors: torch.Tensor) -> str:
+    """Call ``fn``, which must raise ValueError, and check that ``tensors`` are unchanged (a
+    bad input changes nothing); returns the error's message."""
+    import pytest
+
+    before = [t.clone() for t in tensors]
+    with pytest.raises(ValueError) as info:
+        fn()
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(t, b), "a rejected call must not write"
+    return str(info.value)
+
