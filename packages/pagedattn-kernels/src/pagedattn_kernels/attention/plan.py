@@ -17,8 +17,8 @@ writes its output directly. The chunks are listed longest first (list scheduling
 processing time first rule), so the long ones start at once and the short ones fill in.
 
 This is FlashInfer's plan-then-run split of a decode call: the plan is host work on lengths
-the host already knows (a scheduler knows every context length), a few torch ops per step,
-and the run reads it from two small int32 tensors, so a CUDA graph captured with a plan of
+the host already knows (a scheduler knows every context length), a few numpy operations
+per step, and the run reads it from two small int32 tensors, so a CUDA graph captured with a plan of
 fixed capacity (``capacity``, ``decode_plan_capacity``) replays any later plan of the same
 batch size.
 """
@@ -39,9 +39,6 @@ from pagedattn_kernels.common import FP8_DTYPE, fail
 MIN_CHUNK = 128
 #: The most chunks one sequence is cut into (the merge kernel's PARTS_PAD).
 MAX_CHUNKS = 64
-#: Columns of ``DecodePlan.work`` and ``DecodePlan.merges``.
-WORK_COLUMNS = ("row", "start", "end", "partial")
-MERGE_COLUMNS = ("row", "first", "count")
 
 
 @dataclass(frozen=True, slots=True)

@@ -391,20 +391,19 @@ def decode_kernel(
         start = tl.load(item + 1)
         end = tl.load(item + 2)
         partial = tl.load(item + 3)
-    elif SPLIT:
-        if ORDERED:
-            seq = tl.load(order_ptr + seq)
-        seq_len = tl.load(seq_lens_ptr + seq)
-        part = _split_length(seq_len, tl.num_programs(1), partition_size, TILE_N)
-        start = split * part
-        if start >= seq_len:
-            return
-        end = tl.minimum(start + part, seq_len)
     else:
         if ORDERED:
             seq = tl.load(order_ptr + seq)
-        start = 0
-        end = tl.load(seq_lens_ptr + seq)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        if SPLIT:
+            part = _split_length(seq_len, tl.num_programs(1), partition_size, TILE_N)
+            start = split * part
+            if start >= seq_len:
+                return
+            end = tl.minimum(start + part, seq_len)
+        else:
+            start = 0
+            end = seq_len
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -474,15 +473,20 @@ def decode_kernel(
                            store_mask, g_mask, stride_po_seq, stride_po_head, stride_po_split,
                            stride_pl_seq, stride_pl_head)  # fmt: skip
         else:
-            o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
-            tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+            _store_output(out_ptr, seq, heads, d, result, store_mask, stride_o_seq, stride_o_head)
     elif SPLIT:
         _store_partial(part_out_ptr, part_lse_ptr, seq, split, heads, d, result, lse, store_mask,
                        g_mask, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq,
                        stride_pl_head)  # fmt: skip
     else:
-        o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
-        tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+        _store_output(out_ptr, seq, heads, d, result, store_mask, stride_o_seq, stride_o_head)
+
+
+@triton.jit
+def _store_output(out_ptr, seq, heads, d, result, store_mask, stride_o_seq, stride_o_head):
+    """A row's normalised output for the group's heads, in the output's dtype."""
+    o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+    tl.store(o, result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit

@@ -295,15 +295,12 @@ def paged_decode_attention(
         raise ValueError(f"paged_decode_attention: at most {MAX_GRID_Z} sequences a call, got "
                          f"{num_seqs}")  # fmt: skip
     _, block_size, num_kv_heads, _ = key_cache.shape
-    qpk = num_heads // num_kv_heads
     kernels = kernels_for(query.device, KERNELS)
-    fp8 = key_cache.dtype == FP8_DTYPE
     cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel),
                                   key_cache.dtype, num_seqs * num_kv_heads)  # fmt: skip
     if plan is not None:
         return _planned_decode(kernels, cfg, plan, query, key_cache, value_cache, block_tables,
                                seq_lens, scale, out, k_scale, v_scale)  # fmt: skip
-    dpad = padded_head_dim(head_dim)
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     # The smallest share of a split sequence (the kernel's partition_size). Unused without a
@@ -316,8 +313,6 @@ def paged_decode_attention(
         least = min_partition or MIN_PARTITION
     min_partition = -(-least // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
-    upcast = _upcast(kernels.decode_kernel, query.dtype)
-    packed = _packed(kernels, cfg, key_cache, value_cache)
     split = num_splits > 1
     if split:  # one allocation for both partial buffers (host time matters at small sizes)
         rows = num_seqs * num_heads * num_splits
@@ -327,24 +322,11 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
     pdl = use_pdl(query.device)
-    kernels.decode_kernel[(num_kv_heads, num_splits, num_seqs)](
-        out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        seq_lens if seq_order is None else seq_order, seq_lens,
-        scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
-        scale * 1.4426950408889634, min_partition,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
-        part_lse.stride(0), part_lse.stride(1),
-        QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
-        SPLIT=split, IEEE=_dot_ieee(query.dtype), UPCAST=upcast, KV_FP8=fp8,
-        OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
-        F16_PRODUCTS=cfg.f16_products, PACKED=packed, ONE_LOOP=cfg.one_loop,
-        ORDERED=seq_order is not None, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    _launch_decode(
+        kernels, cfg, (num_kv_heads, num_splits, num_seqs), out, part_out, part_lse, query,
+        key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+        min_partition, part_out.stride(2) if split else 0,
+        order=seq_order, SPLIT=split, ORDERED=seq_order is not None,
     )  # fmt: skip
     if split:
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
@@ -357,6 +339,43 @@ def paged_decode_attention(
             launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def _launch_decode(
+    kernels, cfg: DecodeConfig, grid: tuple[int, int, int], out: torch.Tensor,
+    part_out: torch.Tensor, part_lse: torch.Tensor, query: torch.Tensor,
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None, partition_size: int, stride_po_split: int,
+    order: torch.Tensor | None = None, work: torch.Tensor | None = None, **modes: bool,
+) -> None:  # fmt: skip
+    """One ``decode_kernel`` launch over ``grid``, the partial buffers' strides taken from
+    ``part_out`` / ``part_lse`` (rows, heads[, split]); ``modes``: its SPLIT / ORDERED / WORK
+    flags. The unused pointers (``order``, ``work``) get ``seq_lens``."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    qpk = num_heads // num_kv_heads
+    pdl = use_pdl(query.device)
+    kernels.decode_kernel[grid](
+        out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
+        seq_lens if order is None else order, seq_lens if work is None else work,
+        scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
+        scale * 1.4426950408889634, partition_size,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), stride_po_split,
+        part_lse.stride(0), part_lse.stride(1),
+        QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
+        TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype),
+        UPCAST=_upcast(kernels.decode_kernel, query.dtype), KV_FP8=key_cache.dtype == FP8_DTYPE,
+        OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
+        F16_PRODUCTS=cfg.f16_products, PACKED=_packed(kernels, cfg, key_cache, value_cache),
+        ONE_LOOP=cfg.one_loop, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **modes,
+    )  # fmt: skip
 
 
 def decode_lanes(
@@ -383,7 +402,7 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
                          f"{plan.tile_n} tokens, the kernel's tiles {cfg.tile_n}: plan with "
                          f"the same rows, dtypes and device")  # fmt: skip
     _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_kv_heads = key_cache.shape[2]
     qpk = num_heads // num_kv_heads
     items, merges = plan.work.shape[0], plan.merges.shape[0]
     rows = items * num_heads
@@ -391,24 +410,10 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
     part_out = work[: rows * head_dim].view(items, num_heads, head_dim)
     part_lse = work[rows * head_dim :].view(items, num_heads)
     pdl = use_pdl(query.device)
-    dpad = padded_head_dim(head_dim)
-    kernels.decode_kernel[(num_kv_heads, items, 1)](
-        out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        seq_lens, plan.work, scale_or_unit(k_scale, key_cache),
-        scale_or_unit(v_scale, value_cache), scale * 1.4426950408889634, cfg.tile_n,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), 0, part_lse.stride(0), part_lse.stride(1),
-        QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
-        SPLIT=False, IEEE=_dot_ieee(query.dtype), UPCAST=_upcast(kernels.decode_kernel, query.dtype),
-        KV_FP8=key_cache.dtype == FP8_DTYPE,
-        OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
-        F16_PRODUCTS=cfg.f16_products, PACKED=_packed(kernels, cfg, key_cache, value_cache),
-        ONE_LOOP=cfg.one_loop, WORK=True, PDL=pdl,
-        launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    _launch_decode(
+        kernels, cfg, (num_kv_heads, items, 1), out, part_out, part_lse, query, key_cache,
+        value_cache, block_tables, seq_lens, scale, k_scale, v_scale, cfg.tile_n, 0,
+        work=plan.work, SPLIT=False, WORK=True,
     )  # fmt: skip
     if merges:
         group = next_power_of_2(qpk)

@@ -67,9 +67,10 @@ class DecodeGraphs:
         self.plan_sizes: dict[int, tuple[int, int, int]] = {}
         if planner is not None:
             for b in self.sizes:
-                if planner.pays(b):
-                    items, merges = planner.capacity(b)
-                    self.plan_sizes[b] = (items, merges, planner.plan([0] * b).tile_n)
+                if planner.pays(b):  # an all-padding plan has the graph's layout
+                    empty = planner.plan([0] * b, padded=True)
+                    self.plan_sizes[b] = (*empty.work.shape[:1], *empty.merges.shape[:1],
+                                          empty.tile_n)  # fmt: skip
         self._alloc_inputs(self.sizes[-1], max_blocks_per_seq)
 
     def _alloc_inputs(self, top: int, width: int) -> None:

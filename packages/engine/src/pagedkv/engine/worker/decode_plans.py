@@ -52,11 +52,8 @@ class DecodePlanner:
             num_seqs, num_kv_heads=spec["num_kv_heads"], kv_dtype=spec["kv_dtype"]
         )
 
-    def capacity(self, num_seqs: int) -> tuple[int, int]:
-        """The rows of a padded plan's ``work`` and ``merges`` (a CUDA graph's buffers)."""
-        return pagedattn_kernels.decode_plan_capacity(num_seqs, **self.spec)
-
     def plan(self, seq_lens: Sequence[int] | np.ndarray | torch.Tensor,
              padded: bool = False) -> pagedattn_kernels.DecodePlan:  # fmt: skip
-        """The host plan of rows with these context lengths (0: a padding row)."""
+        """The host plan of rows with these context lengths (0: a padding row); ``padded``:
+        sized to the most any plan of that many rows needs (a CUDA graph's buffers)."""
         return pagedattn_kernels.plan_decode(seq_lens, padded=padded, **self.spec)
