@@ -167,6 +167,13 @@ SWAP_REFINE = [C(64, 128, 1, 4, s, promote=False) for s in (6, 8, 10, 12)] + [
     C(128, 128, 1, 4, 3, promote=False), C(128, 128, 1, 4, 4, promote=False),
     C(128, 128, 1, 4, 6, promote=False), C(128, 256, 1, 4, 3, promote=False),
     C(128, 128, 1, 8, 4, promote=False)]  # fmt: skip
+# --swap-set pick: the refine set's winners at 16-32 rows (6d1d2a1: one 64 x 256 config, no
+# split, 6 stages, for Q/K/V, O and down) against pick_config's, with neighbours, at 1-64 rows
+SWAP_PICK = [C(64, 256, 1, 4, s, promote=False) for s in (4, 6, 8)] + [
+    C(64, 128, 1, 4, 8, promote=False), C(64, 128, 1, 4, 12, promote=False),
+    C(64, 256, 0, 4, 4, promote=False), C(64, 256, 2, 4, 6, promote=False),
+    C(128, 128, 1, 4, 3, promote=False), C(128, 128, 1, 4, 4, promote=False)]  # fmt: skip
+SWAP_SETS = {"broad": SWAP_CONFIGS, "refine": SWAP_REFINE, "pick": SWAP_PICK}
 
 
 def block_m_for(m: int, kind: str) -> int:
@@ -305,8 +312,8 @@ def rotating(fn, weights: list[torch.Tensor]):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
-    ap.add_argument("--swap-set", choices=("broad", "refine"), default="broad",
-                    help="the swap_fp8 configs: SWAP_CONFIGS or SWAP_REFINE")
+    ap.add_argument("--swap-set", choices=tuple(SWAP_SETS), default="broad",
+                    help="the swap_fp8 configs: SWAP_CONFIGS, SWAP_REFINE or SWAP_PICK")
     ap.add_argument("--only", default="", help="comma-separated variants to time (default: "
                     "all of bf16, fp8_linear, fp8_prequant, swap_pick, swap_fp8, wo_fp8)")
     run = start(ap, check, budget_s=150.0)
@@ -341,7 +348,7 @@ def main() -> int:
             variants.append(("swap_pick", None,
                              lambda w, xq=xq, xs=xs, ws=ws: pagedattn_kernels.fp8_matmul(
                                  xq, xs, w, ws, fast_accum=True), wqs, n * k + 4 * n))
-            for cfg in SWAP_CONFIGS if args.swap_set == "broad" else SWAP_REFINE:
+            for cfg in SWAP_SETS[args.swap_set]:
                 info = {"kind": "swap", "block_n": cfg.block_n, "block_k": cfg.block_k,
                         "split_k": cfg.split_k, "num_warps": cfg.num_warps,
                         "num_stages": cfg.num_stages, "merge_here": cfg.merge_here,

@@ -97,9 +97,10 @@ class GPT2LMHeadModel(nn.Module):
             x = block(x, kv_cache, meta)
         return self.ln_f(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors (``transformer.h.0.attn.c_attn.weight`` or the

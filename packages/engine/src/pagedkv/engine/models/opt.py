@@ -135,9 +135,9 @@ class OPTForCausalLM(nn.Module):
             x = self.project_out(x)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         return vocab_parallel_logits(
-            hidden, self.embed_tokens if self.lm_head is None else self.lm_head
+            hidden, self.embed_tokens if self.lm_head is None else self.lm_head, float32
         )
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:

@@ -237,18 +237,23 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def vocab_parallel_logits(
-    hidden: torch.Tensor, head: VocabParallelEmbedding
+    hidden: torch.Tensor, head: VocabParallelEmbedding, float32: bool = True
 ) -> torch.Tensor | None:
-    """float32 logits ``[N, vocab]`` of ``hidden [N, dim]``: on rank 0 the whole vocabulary,
-    gathered from the ranks' slices; None on the other ranks (only rank 0 samples)."""
+    """Logits ``[N, vocab]`` of ``hidden [N, dim]``: on rank 0 the whole vocabulary, gathered
+    from the ranks' slices; None on the other ranks (only rank 0 samples). float32, or with
+    ``float32=False`` in the product's own dtype (what an argmax needs: see
+    ``Model.compute_logits``)."""
     if head.tp_size == 1:
         if head.packed_weight is not None and hidden.is_cpu:
-            return packed_linear(hidden, head.packed_weight).float()
-        return F.linear(hidden, head.weight).float()
-    logits = gather_last_dim(F.linear(hidden, head.weight), head.tp)
-    if logits is None:
-        return None
-    return logits[:, : head.full_num_embeddings].float()
+            logits = packed_linear(hidden, head.packed_weight)
+        else:
+            logits = F.linear(hidden, head.weight)
+    else:
+        logits = gather_last_dim(F.linear(hidden, head.weight), head.tp)
+        if logits is None:
+            return None
+        logits = logits[:, : head.full_num_embeddings]
+    return logits.float() if float32 else logits
 
 
 def load_parameter(

@@ -1,0 +1,69 @@
+"""What the greedy token costs after the LM head: the argmax of float32 logits (the cast, then
+the reduction: the engine until this commit) against the argmax of the model-dtype logits
+(``ModelRunner.greedy_tokens`` now), at decode batch sizes over Llama-3's 128,256-token
+vocabulary, replayed from CUDA graphs; with the LM head's own product for scale.
+
+    python scripts/greedy_argmax_bench.py [--rows 1 16 64 ...] [--output-json OUT.json]   # GPU
+
+The two give the same ids (checked here on every shape); the figures are per call, the median
+of ``triton.testing.do_bench_cudagraph``, the variants interleaved over ``--rounds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+
+log = logging.getLogger("greedy_argmax_bench")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256, 512, 1024])
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output-json", default="")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        log.error("needs a GPU")
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    head = torch.randn(args.vocab, args.hidden, generator=gen, device="cuda",
+                       dtype=torch.bfloat16) * args.hidden**-0.5  # fmt: skip
+    rows_out = []
+    for m in args.rows:
+        hidden = torch.randn(m, args.hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+        logits = F.linear(hidden, head)
+        assert torch.equal(logits.argmax(-1), logits.float().argmax(-1))
+        variants = {
+            "cast_argmax": lambda x=logits: x.float().argmax(-1),
+            "argmax": lambda x=logits: x.argmax(-1),
+            "lm_head": lambda h=hidden: F.linear(h, head),
+        }
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                times[name].append(1e3 * triton.testing.do_bench_cudagraph(fn, rep=40))
+        row = {"rows": m, **{k: round(statistics.median(v), 2) for k, v in times.items()},
+               "spread": {k: [round(min(v), 2), round(max(v), 2)] for k, v in times.items()}}
+        row["saved_us"] = round(row["cast_argmax"] - row["argmax"], 2)
+        rows_out.append(row)
+        log.info("rows %5d: cast+argmax %7.2f us, argmax %7.2f us (saves %6.2f), lm_head %8.2f us",
+                 m, row["cast_argmax"], row["argmax"], row["saved_us"], row["lm_head"])
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"benchmark": "greedy_argmax", "vocab": args.vocab,
+                       "device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
