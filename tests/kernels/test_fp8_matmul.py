@@ -116,19 +116,30 @@ def test_fp8_matmul_fast_accumulation(target, seed):
 
 
 def test_pick_config_follows_the_shape():
-    """The per-shape tiles (``pick_config``): many output rows unsplit in 128-row tiles, a
-    long K split in 64-row tiles of 256-byte steps, the rest unsplit in 64-row tiles with a
-    deep pipeline; fast accumulation turns promotion off."""
+    """The per-shape tiles (``pick_config``): from 33 rows, many output rows unsplit in 128-row
+    tiles, a long K split in 64-row tiles of 256-byte steps, the rest unsplit in 64-row tiles
+    with a deep pipeline; up to 32 rows, gate/up, down and the square output projection in
+    unsplit 64 x 256 tiles with their own pipeline depths; fast accumulation turns promotion
+    off."""
     from pagedattn_kernels.quant.triton_launch import pick_config
 
-    gate_up = pick_config(16, 28672, 4096, sms=132)
+    gate_up = pick_config(64, 28672, 4096, sms=132)
     assert (gate_up.block_n, gate_up.split_k, gate_up.promote) == (128, 1, True)
-    down = pick_config(16, 4096, 14336, sms=132, fast_accum=True)
+    down = pick_config(64, 4096, 14336, sms=132, fast_accum=True)
     assert (down.block_n, down.block_k, down.split_k, down.promote) == (64, 256, 0, False)
     qkv = pick_config(16, 6144, 4096, sms=132)
     assert (qkv.block_n, qkv.block_k, qkv.split_k, qkv.num_stages) == (64, 128, 1, 8)
     assert pick_config(128, 6144, 4096, sms=132).num_stages == 6  # a 128-token tile
-    assert pick_config(16, 28672, 4096, sms=264).block_n == 64  # too few tiles for the SMs
+    assert pick_config(64, 28672, 4096, sms=264).block_n == 64  # too few tiles for the SMs
+    for m in (1, 16, 32):
+        small = {name: pick_config(m, n, k, sms=132)
+                 for name, n, k in (("gate_up", 28672, 4096), ("down", 4096, 14336),
+                                    ("o", 4096, 4096))}  # fmt: skip
+        for name, cfg in small.items():
+            assert (cfg.block_n, cfg.block_k, cfg.split_k) == (64, 256, 1), (m, name)
+        assert {name: cfg.num_stages for name, cfg in small.items()} == {
+            "gate_up": 4, "down": 8, "o": 6}
+    assert pick_config(33, 4096, 4096, sms=132).block_k == 128  # past 32 rows: as before
 
 
 def test_fp8_matmul_empty_shapes():

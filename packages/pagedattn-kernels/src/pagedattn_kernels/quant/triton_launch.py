@@ -158,8 +158,18 @@ def pick_config(m: int, n: int, k: int, sms: int, fast_accum: bool = False) -> F
       than 64 tokens, whose shared memory is twice as large): 8.9 against 16.3 us for Q/K/V.
 
     A decoder layer's four matmuls at 16 rows: 67 us against 90 for the single config before
-    (``Fp8MatmulConfig()``) and 123 for bf16 ``F.linear``."""
+    (``Fp8MatmulConfig()``) and 123 for bf16 ``F.linear``.
+
+    Up to 32 rows (a tile of at most 32 tokens; ``scripts/fp8_weight_only_gemm.py --swap-set
+    pick``, 2d09a7d, and the refine sweep of 6d1d2a1): 64-row tiles of 256 bytes of K, no
+    split, for gate/up (4 stages: 31.1 against 43.3 us at 16 rows for the 128-row tiles there,
+    whose 224 tiles leave 92 SMs two of them and 40 one), down (8 stages: 16.8 against 18.3)
+    and the output projection's square shape (6 stages: 6.5 against 7.1); Q/K/V keeps its
+    tiles. 8 stages of 256 bytes would not fit the shared memory with 64-token tiles."""
     promote = not fast_accum
+    if m <= 32 and (n >= 128 * sms or k >= 2 * n or n == k):
+        stages = 4 if n >= 128 * sms else 8 if k >= 2 * n else 6
+        return Fp8MatmulConfig(64, 256, 1, 4, stages, promote=promote)
     if n >= 128 * sms:
         return Fp8MatmulConfig(128, 128, 1, 4, 4, promote=promote)
     if k >= 2 * n:
