@@ -162,10 +162,12 @@ def pick_config(m: int, n: int, k: int, sms: int, fast_accum: bool = False) -> F
 
     Up to 32 rows (a tile of at most 32 tokens; ``scripts/fp8_weight_only_gemm.py --swap-set
     pick``, 2d09a7d, and the refine sweep of 6d1d2a1): 64-row tiles of 256 bytes of K, no
-    split, for gate/up (4 stages: 31.1 against 43.3 us at 16 rows for the 128-row tiles there,
-    whose 224 tiles leave 92 SMs two of them and 40 one), down (8 stages: 16.8 against 18.3)
-    and the output projection's square shape (6 stages: 6.5 against 7.1); Q/K/V keeps its
-    tiles. 8 stages of 256 bytes would not fit the shared memory with 64-token tiles."""
+    split, for gate/up (4 stages: 31.1 us at 16 rows and 32.0-32.2 at 24-32, where the 128-row
+    tiles took 33.9-34.2; at 8-16 rows they took 43.3 in that sweep and 30.3 in 6d1d2a1's:
+    their 224 tiles leave 92 SMs two of them and 40 one, a balance the 448 smaller tiles do not
+    depend on), down (8 stages: 16.8 against 18.3 at 16 rows) and the output projection's square
+    shape (6 stages: 6.5 against 7.1); Q/K/V keeps its tiles. 8 stages of 256 bytes would not
+    fit the shared memory with 64-token tiles."""
     promote = not fast_accum
     if m <= 32 and (n >= 128 * sms or k >= 2 * n or n == k):
         stages = 4 if n >= 128 * sms else 8 if k >= 2 * n else 6
