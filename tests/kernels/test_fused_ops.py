@@ -575,3 +575,192 @@ def test_rotary_embedding_and_cache_empty(target):
                                   torch.empty(0, dtype=torch.int64, device=dev),
                                   backend=target.backend)  # fmt: skip
     assert torch.equal(kc, before)
+
+
+# --------------------------------------------------------------------------- rotary split over heads
+# Compiled, small batches split each token's heads over several programs (grid axis 1); the
+# interpreter never does by itself, so these tests force it (the launchers' ``split`` and
+# ``groups``) and ask for the unsplit kernels' bits.
+
+# (heads, kv heads or None, head_dim, dtype, cache dtype, (query heads, key heads) a program)
+ROTARY_SPLIT_CASES = [
+    (32, 8, 128, BF16, BF16, (8, 4)),  # Llama-3-8B, the launcher's groups
+    (32, 8, 128, BF16, torch.float8_e4m3fn, (8, 4)),
+    (9, 3, 64, F16, F16, (4, 2)),  # heads not multiples of the groups
+    (9, 3, 64, F16, torch.float8_e4m3fn, (8, 1)),
+    (4, 1, 80, F32, F32, (2, 1)),  # head_dim padding (40 of 64), one KV head
+    (6, 2, 80, BF16, torch.float8_e4m3fn, (4, 4)),  # a key group wider than the KV heads
+    (6, None, 64, F16, None, (4, 4)),  # no key
+    (5, None, 80, BF16, None, (1, 1)),  # a head a program
+]
+
+
+def _split_id(case) -> str:
+    heads, kv_heads, head_dim, dtype, cache_dtype, groups = case
+    name = str(dtype).removeprefix("torch.")
+    cache = str(cache_dtype).removeprefix("torch.") if cache_dtype else "nocache"
+    return f"h{heads}-kv{kv_heads}-d{head_dim}-{name}-{cache}-g{groups[0]}x{groups[1]}"
+
+
+def _split_inputs(dev, seed, tokens, case):
+    """A fused QKV output (Q, K, V views), positions, inv_freq, two random caches and slots
+    with some -1 (or no caches: no key, or ``cache_dtype`` None)."""
+    heads, kv_heads, head_dim, dtype, cache_dtype, _ = case
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    kvh = kv_heads or 0
+    qkv = torch.randn(tokens, (heads + 2 * kvh) * head_dim, generator=gen, device=dev)
+    qkv = qkv.to(dtype)
+    positions = torch.randint(0, 1 << 15, (tokens,), generator=gen, device=dev)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim)
+    if cache_dtype is None:
+        return qkv, positions, inv_freq, None, None, {}
+    block_size = 16
+    num_blocks = -(-tokens // block_size) + 2
+    shape = (num_blocks, block_size, kvh, head_dim)
+    caches = [torch.randn(shape, generator=gen, device=dev).to(cache_dtype) for _ in range(2)]
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=dev)[:tokens]
+    slots[torch.rand(tokens, generator=gen, device=dev) < 0.2] = -1
+    scales = {}
+    if cache_dtype == torch.float8_e4m3fn:
+        scales = {
+            "k_scale": torch.tensor([0.05], device=dev),
+            "v_scale": torch.tensor([0.8], device=dev),
+        }
+    return qkv, positions, inv_freq, caches, slots, scales
+
+
+def _qkv_views(qkv, heads, kv_heads, head_dim):
+    tokens, kvh = qkv.shape[0], kv_heads or 0
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kvh) * head_dim].view(tokens, kvh, head_dim)
+    v = qkv[:, (heads + kvh) * head_dim :].view(tokens, kvh, head_dim)
+    return q, (k if kv_heads is not None else None), v
+
+
+def _run_rotary(case, inputs, **grid):
+    """One launch of the Triton rotary kernel (with the cache write when the case has caches)
+    on copies of the inputs; returns the QKV buffer and the caches after it."""
+    from pagedattn_kernels.fused import triton_launch
+
+    heads, kv_heads, head_dim = case[:3]
+    qkv, positions, inv_freq, caches, slots, scales = inputs
+    qkv = qkv.clone()
+    q, k, v = _qkv_views(qkv, heads, kv_heads, head_dim)
+    if caches is None:
+        triton_launch.rotary_embedding(positions, q, k, inv_freq, **grid)
+        return qkv, []
+    caches = [c.clone() for c in caches]
+    triton_launch.rotary_embedding_and_cache(positions, q, k, v, inv_freq, *caches, slots,
+                                             scales.get("k_scale"), scales.get("v_scale"),
+                                             **grid)  # fmt: skip
+    return qkv, caches
+
+
+def _assert_same_bits(got, want, what: str) -> None:
+    (qkv, caches), (want_qkv, want_caches) = got, want
+    assert torch.equal(qkv, want_qkv), f"{what}: query, key or value differ"
+    for i, (c, w) in enumerate(zip(caches, want_caches)):
+        assert torch.equal(_cache_bits(c), _cache_bits(w)), f"{what}: cache {i} differs"
+
+
+def _check_split(dev, seed, tokens, case) -> None:
+    """Split (the case's groups, and the launcher's) = unsplit, bit for bit; and the split
+    result is the torch path's within the rotary tolerance (the interpreter's cos/sin are
+    numpy's), its caches hold exactly what ``reshape_and_cache`` stores for its keys, V and
+    slot -1 stay untouched."""
+    heads, kv_heads, head_dim, dtype, _, groups = case
+    inputs = _split_inputs(dev, seed, tokens, case)
+    what = f"{tokens} tokens {_split_id(case)} seed={seed}"
+    unsplit = _run_rotary(case, inputs, split=False)
+    _assert_same_bits(_run_rotary(case, inputs, split=True, groups=groups), unsplit, what)
+    _assert_same_bits(_run_rotary(case, inputs, split=True), unsplit, f"{what} default groups")
+    _assert_same_bits(_run_rotary(case, inputs), unsplit, f"{what} the launcher's choice")
+
+    qkv0, positions, inv_freq, caches, slots, scales = inputs
+    got_qkv, got_caches = unsplit
+    q0, k0, v0 = _qkv_views(qkv0, heads, kv_heads, head_dim)
+    q, k, v = _qkv_views(got_qkv, heads, kv_heads, head_dim)
+    assert torch.equal(v, v0), f"{what}: V must stay untouched"
+    ref_qkv = qkv0.clone()
+    rq, rk, _ = _qkv_views(ref_qkv, heads, kv_heads, head_dim)
+    pk.rotary_embedding(positions, rq, rk, inv_freq, backend="torch")
+    half = head_dim // 2
+    for name, out, want, orig in (("query", q, rq, q0), ("key", k, rk, k0)):
+        if orig is None:
+            continue
+        pair = orig.double().abs()
+        scale = torch.cat((pair[..., :half] + pair[..., half:],) * 2, dim=-1)
+        diff = (out.double() - want.double()).abs()
+        assert bool((diff <= 2 * EPS[dtype] * scale).all()), f"{what}: {name} vs torch"
+        if dtype != F32:
+            differ = int((diff > 0).sum())
+            assert differ <= 1 + out.numel() // 100, f"{what}: {name}: {differ} differ from torch"
+    if caches is None:
+        return
+    ref_caches = [c.clone() for c in caches]
+    reference.reshape_and_cache(k, v0, *ref_caches, slots, **scales)
+    for c, w in zip(got_caches, ref_caches):
+        assert torch.equal(c.double(), w.double()), f"{what}: cache vs reshape_and_cache"
+    written = torch.zeros(caches[0].shape[0] * caches[0].shape[1], dtype=torch.bool,
+                          device=slots.device)  # fmt: skip
+    written[slots[slots >= 0]] = True
+    for c, orig in zip(got_caches, caches):
+        kept = _cache_bits(c).flatten(0, 1)[~written], _cache_bits(orig).flatten(0, 1)[~written]
+        assert torch.equal(*kept), f"{what}: slot -1 and unused slots stay untouched"
+
+
+@pytest.mark.parametrize("case", ROTARY_SPLIT_CASES, ids=_split_id)
+def test_rotary_split_over_heads_interpreted(seed, case):
+    """The split grid in Triton's interpreter (forced: it never splits by itself), 1 and
+    several tokens: the unsplit kernels' bits."""
+    for tokens in (1, 7):
+        _check_split("cpu", seed, tokens, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
+@pytest.mark.parametrize("case", ROTARY_SPLIT_CASES, ids=_split_id)
+def test_rotary_split_over_heads_compiled(seed, case, tokens):
+    """The compiled split grid (the launcher takes it at 16 and 64 tokens of Llama-3-8B on an
+    H200, not at 300; forced here at every count) against the compiled unsplit kernels."""
+    _check_split("cuda", seed, tokens, case)
+
+
+def test_rotary_split_rule(monkeypatch):
+    """Compiled, a split while the split grid has at most ROTARY_SPLIT_PER_SM programs per SM;
+    interpreted, never unless forced; a split into one program per token is none."""
+    from pagedattn_kernels.fused import triton_launch as tl_
+
+    monkeypatch.setattr(tl_, "sm_count", lambda device: 132)
+    compiled, cuda = object(), torch.device("cuda")
+
+    def grid(kernel, tokens, heads, kv_heads, half_pad, cache, split=None, groups=None):
+        return tl_._rotary_grid(kernel, cuda, tokens, heads, kv_heads, half_pad, cache, split,
+                                groups)  # fmt: skip
+
+    # Llama-3-8B: 4 programs of 8 query heads, 2 of 4 key heads (with the cache write) or 1
+    # of 8 (rotary alone); 6 * 88 = 528 = 4 * 132 programs.
+    assert tl_.rotary_head_groups(32, 8, 64, True) == (8, 4)
+    assert tl_.rotary_head_groups(32, 8, 64, False) == (8, 8)
+    assert grid(compiled, 16, 32, 8, 64, True) == (1, 6, 8, 4, 4)
+    assert grid(compiled, 88, 32, 8, 64, True)[1] == 6
+    assert grid(compiled, 89, 32, 8, 64, True) == (1, 1, 32, 8, 4)
+    assert grid(compiled, 105, 32, 8, 64, False)[1] == 5
+    assert grid(compiled, 106, 32, 8, 64, False)[1] == 1
+    assert grid(compiled, 300, 32, 8, 64, True, split=True)[1] == 6
+    assert grid(compiled, 16, 32, 8, 64, True, split=False)[1] == 1
+    assert grid(compiled, 16, 9, 3, 32, True, groups=(4, 2)) == (1, 5, 4, 2, 4)
+    assert grid(compiled, 16, 4, 0, 32, False)[1] == 1  # one query group, no key: no split
+    kernel = pk_kernels("rotary_and_cache_kernel")
+    assert grid(kernel, 16, 32, 8, 64, True)[1] == 1
+    assert grid(kernel, 16, 32, 8, 64, True, split=True)[1] == 6
+    with pytest.raises(ValueError, match="powers of two"):
+        grid(compiled, 16, 32, 8, 64, True, split=True, groups=(6, 2))
+
+
+def pk_kernels(name: str):
+    """An interpreted fused kernel (what CPU tensors get)."""
+    from pagedattn_kernels.common import kernels_for
+
+    return getattr(kernels_for(torch.device("cpu"), "pagedattn_kernels.fused.triton_kernels"),
+                   name)  # fmt: skip

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import re
 import subprocess
@@ -158,11 +159,12 @@ def _fused_variants(quick: bool) -> None:
                 torch.empty(8, inter, dtype=dtype), torch.empty(8, 2 * inter, dtype=dtype), inter
             )
         shapes = [(32, 8, 128)] if quick else [(32, 8, 128), (9, 3, 64), (8, 2, 80), (2, 0, 32)]
-        for heads, kv_heads, head_dim in shapes:
+        # a program per token, and each token's heads split over programs (small batches)
+        for (heads, kv_heads, head_dim), split in itertools.product(shapes, (False, True)):
             q = torch.empty(4, heads, head_dim, dtype=dtype)
             k = torch.empty(4, kv_heads, head_dim, dtype=dtype) if kv_heads else None
             fused.rotary_embedding(
-                torch.zeros(4, dtype=torch.int64), q, k, torch.empty(head_dim // 2)
+                torch.zeros(4, dtype=torch.int64), q, k, torch.empty(head_dim // 2), split=split
             )
             if k is None:
                 continue
@@ -171,7 +173,7 @@ def _fused_variants(quick: bool) -> None:
                 fused.rotary_embedding_and_cache(
                     torch.zeros(4, dtype=torch.int64), q, k, torch.empty_like(k),
                     torch.empty(head_dim // 2), kc, kc, torch.zeros(4, dtype=torch.int64),
-                    None, None,
+                    None, None, split=split,
                 )  # fmt: skip
 
 

@@ -273,17 +273,19 @@ def _rotate_heads(
     sin,
     d,
     d_ok,
-    NUM_HEADS: tl.constexpr,
+    num_heads,
     BLOCK_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     ROUND: tl.constexpr,
 ):
-    """Rotate every head of ROWS tokens in place: ``[x1, x2] -> [x1 c - x2 s, x2 c + x1 s]``
-    with each product and the sum rounded to the dtype, as ``x * cos + rotate_half(x) * sin``
-    rounds them (``rotate_half`` negates exactly, so ``+ (-x2) s`` is ``- x2 s``). Returns the
-    two rotated halves ``[ROWS, BLOCK_HEADS, HALF_PAD]`` in the dtype, as stored."""
+    """Rotate the first ``num_heads`` heads at ``ptr`` of ROWS tokens in place (all of a
+    token's heads, or a split grid's group: ``ptr`` then points at its first head):
+    ``[x1, x2] -> [x1 c - x2 s, x2 c + x1 s]`` with each product and the sum rounded to the
+    dtype, as ``x * cos + rotate_half(x) * sin`` rounds them (``rotate_half`` negates exactly,
+    so ``+ (-x2) s`` is ``- x2 s``). Returns the two rotated halves
+    ``[ROWS, BLOCK_HEADS, HALF_PAD]`` in the dtype, as stored."""
     h = tl.arange(0, BLOCK_HEADS)
-    mask = tok_ok[:, None, None] & (h < NUM_HEADS)[None, :, None] & d_ok[None, None, :]
+    mask = tok_ok[:, None, None] & (h < num_heads)[None, :, None] & d_ok[None, None, :]
     lo = ptr + t64[:, None, None] * stride_t + h[None, :, None] * stride_h + d[None, None, :]
     x1 = tl.load(lo, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(lo + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -319,20 +321,52 @@ def rotary_kernel(
     HAS_KEY: tl.constexpr,
     ROUND: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    HEAD_SPLITS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """NeoX ("rotate half") RoPE in place on every query and key head of ROWS tokens (the
-    angles: ``_token_angles``)."""
+    angles: ``_token_angles``).
+
+    HEAD_SPLITS 1: a program rotates all of its tokens' heads (BLOCK_QH, BLOCK_KH: every
+    query and key head, padded to a power of two). Otherwise the grid's second axis splits
+    each token's heads over HEAD_SPLITS programs: the first ``cdiv(NUM_Q_HEADS, BLOCK_QH)``
+    rotate BLOCK_QH query heads each, the rest BLOCK_KH key heads each (``_head_group``);
+    each program computes its tokens' angles itself. The same values either way."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
     t64, tok_ok, d, d_ok, cos, sin = _token_angles(positions_ptr, inv_freq_ptr, num_tokens, q_ptr,
                                                    ROWS, HALF, HALF_PAD, ROUND, LIBDEVICE)  # fmt: skip
-    _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
-                  NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
-    if HAS_KEY:
-        _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
-                      NUM_K_HEADS, BLOCK_KH, HALF, ROUND)  # fmt: skip
+    if HEAD_SPLITS == 1:
+        _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
+                      NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
+        if HAS_KEY:
+            _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
+                          NUM_K_HEADS, BLOCK_KH, HALF, ROUND)  # fmt: skip
+    else:
+        is_query, first = _head_group(NUM_Q_HEADS, NUM_K_HEADS * HAS_KEY, BLOCK_QH, BLOCK_KH,
+                                      HEAD_SPLITS)  # fmt: skip
+        if is_query:
+            _rotate_heads(q_ptr + first * stride_qh, t64, tok_ok, stride_qt, stride_qh, cos,
+                          sin, d, d_ok, NUM_Q_HEADS - first, BLOCK_QH, HALF, ROUND)  # fmt: skip
+        else:
+            _rotate_heads(k_ptr + first * stride_kh, t64, tok_ok, stride_kt, stride_kh, cos,
+                          sin, d, d_ok, NUM_K_HEADS - first, BLOCK_KH, HALF, ROUND)  # fmt: skip
+
+
+@triton.jit
+def _head_group(NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
+                BLOCK_KH: tl.constexpr, HEAD_SPLITS: tl.constexpr):  # fmt: skip
+    """This program's heads in a grid split over heads (``program_id(1)``): whether they are
+    query heads, and the first of them; programs ``0 .. cdiv(NUM_Q_HEADS, BLOCK_QH) - 1``
+    take BLOCK_QH query heads each, the rest BLOCK_KH key heads each (NUM_K_HEADS 0: no key
+    programs). The launcher sizes the grid's second axis to exactly those programs."""
+    Q_SPLITS: tl.constexpr = (NUM_Q_HEADS + BLOCK_QH - 1) // BLOCK_QH
+    tl.static_assert(HEAD_SPLITS == Q_SPLITS + (NUM_K_HEADS + BLOCK_KH - 1) // BLOCK_KH)
+    part = tl.program_id(1)
+    is_query = part < Q_SPLITS
+    first = tl.where(is_query, part * BLOCK_QH, (part - Q_SPLITS) * BLOCK_KH)
+    return is_query, first
 
 
 @triton.jit
@@ -357,6 +391,62 @@ def _store_to_cache(ptr, x, mask, scale, recip, KV_FP8: tl.constexpr, E4M3: tl.c
         tl.store(ptr, _e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0), E4M3), mask=mask)
     else:
         tl.store(ptr, x, mask=mask)
+
+
+@triton.jit
+def _cache_heads(
+    k1,
+    k2,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    t64,
+    tok_ok,
+    d,
+    d_ok,
+    stride_vt,
+    stride_vh,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_tok,
+    stride_vc_head,
+    num_heads,
+    BLOCK_KH: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    E4M3: tl.constexpr,
+):
+    """Write the first ``num_heads`` rotated key heads (``k1``, ``k2``: their halves, in
+    registers) and value heads of ROWS tokens into each token's cache slot (slot < 0: no
+    write), quantized on the way for an fp8 cache. ``v_ptr`` and the cache pointers point at
+    the first of these heads (a split grid's group) or at head 0."""
+    slot = tl.load(slot_ptr + t64, mask=tok_ok, other=-1).to(tl.int64)
+    write = tok_ok & (slot >= 0)
+    slot = tl.where(write, slot, 0)
+    h = tl.arange(0, BLOCK_KH)
+    mask = write[:, None, None] & (h < num_heads)[None, :, None] & d_ok[None, None, :]
+    block = (slot // BLOCK_SIZE)[:, None, None]
+    offset = (slot % BLOCK_SIZE)[:, None, None]
+    hd = h[None, :, None]
+    kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok + hd * stride_kc_head
+    kc += d[None, None, :]
+    k_scale, k_recip = _cache_scale(k_scale_ptr, KV_FP8)
+    _store_to_cache(kc, k1, mask, k_scale, k_recip, KV_FP8, E4M3)
+    _store_to_cache(kc + HALF, k2, mask, k_scale, k_recip, KV_FP8, E4M3)
+    v = v_ptr + t64[:, None, None] * stride_vt + hd * stride_vh + d[None, None, :]
+    vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok + hd * stride_vc_head
+    vc += d[None, None, :]
+    v1 = tl.load(v, mask=mask)
+    v2 = tl.load(v + HALF, mask=mask)
+    v_scale, v_recip = _cache_scale(v_scale_ptr, KV_FP8)
+    _store_to_cache(vc, v1, mask, v_scale, v_recip, KV_FP8, E4M3)
+    _store_to_cache(vc + HALF, v2, mask, v_scale, v_recip, KV_FP8, E4M3)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "k_scale_ptr", "v_scale_ptr"])
@@ -396,41 +486,43 @@ def rotary_and_cache_kernel(
     E4M3: tl.constexpr,
     ROUND: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    HEAD_SPLITS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """``rotary_kernel`` and ``reshape_and_cache_kernel`` in one pass over ROWS tokens: rotate
     the query and key heads in place, then write the rotated keys (still in registers) and
-    the values into each token's cache slot (slot < 0: no write), quantized on the way for an
-    fp8 cache. The same values, in the same roundings, as the two kernels one after the other;
-    one launch and one read of the keys fewer."""
+    the values into each token's cache slot (``_cache_heads``). The same values, in the same
+    roundings, as the two kernels one after the other; one launch and one read of the keys
+    fewer.
+
+    HEAD_SPLITS as ``rotary_kernel``'s: split, a program takes BLOCK_QH query heads, or
+    BLOCK_KH key heads together with their value heads and cache writes."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
     t64, tok_ok, d, d_ok, cos, sin = _token_angles(positions_ptr, inv_freq_ptr, num_tokens, q_ptr,
                                                    ROWS, HALF, HALF_PAD, ROUND, LIBDEVICE)  # fmt: skip
-    _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
-                  NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
-    k1, k2 = _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
-                           NUM_KV_HEADS, BLOCK_KH, HALF, ROUND)  # fmt: skip
-
-    slot = tl.load(slot_ptr + t64, mask=tok_ok, other=-1).to(tl.int64)
-    write = tok_ok & (slot >= 0)
-    slot = tl.where(write, slot, 0)
-    h = tl.arange(0, BLOCK_KH)
-    mask = write[:, None, None] & (h < NUM_KV_HEADS)[None, :, None] & d_ok[None, None, :]
-    block = (slot // BLOCK_SIZE)[:, None, None]
-    offset = (slot % BLOCK_SIZE)[:, None, None]
-    hd = h[None, :, None]
-    kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_tok + hd * stride_kc_head
-    kc += d[None, None, :]
-    k_scale, k_recip = _cache_scale(k_scale_ptr, KV_FP8)
-    _store_to_cache(kc, k1, mask, k_scale, k_recip, KV_FP8, E4M3)
-    _store_to_cache(kc + HALF, k2, mask, k_scale, k_recip, KV_FP8, E4M3)
-    v = v_ptr + t64[:, None, None] * stride_vt + hd * stride_vh + d[None, None, :]
-    vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_tok + hd * stride_vc_head
-    vc += d[None, None, :]
-    v1 = tl.load(v, mask=mask)
-    v2 = tl.load(v + HALF, mask=mask)
-    v_scale, v_recip = _cache_scale(v_scale_ptr, KV_FP8)
-    _store_to_cache(vc, v1, mask, v_scale, v_recip, KV_FP8, E4M3)
-    _store_to_cache(vc + HALF, v2, mask, v_scale, v_recip, KV_FP8, E4M3)
+    if HEAD_SPLITS == 1:
+        _rotate_heads(q_ptr, t64, tok_ok, stride_qt, stride_qh, cos, sin, d, d_ok,
+                      NUM_Q_HEADS, BLOCK_QH, HALF, ROUND)  # fmt: skip
+        k1, k2 = _rotate_heads(k_ptr, t64, tok_ok, stride_kt, stride_kh, cos, sin, d, d_ok,
+                               NUM_KV_HEADS, BLOCK_KH, HALF, ROUND)  # fmt: skip
+        _cache_heads(k1, k2, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr,
+                     v_scale_ptr, t64, tok_ok, d, d_ok, stride_vt, stride_vh, stride_kc_block,
+                     stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok,
+                     stride_vc_head, NUM_KV_HEADS, BLOCK_KH, HALF, BLOCK_SIZE, KV_FP8, E4M3)  # fmt: skip
+    else:
+        is_query, first = _head_group(NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_QH, BLOCK_KH, HEAD_SPLITS)
+        if is_query:
+            _rotate_heads(q_ptr + first * stride_qh, t64, tok_ok, stride_qt, stride_qh, cos,
+                          sin, d, d_ok, NUM_Q_HEADS - first, BLOCK_QH, HALF, ROUND)  # fmt: skip
+        else:
+            k1, k2 = _rotate_heads(k_ptr + first * stride_kh, t64, tok_ok, stride_kt, stride_kh,
+                                   cos, sin, d, d_ok, NUM_KV_HEADS - first, BLOCK_KH, HALF,
+                                   ROUND)  # fmt: skip
+            _cache_heads(k1, k2, v_ptr + first * stride_vh, key_cache_ptr + first * stride_kc_head,
+                         value_cache_ptr + first * stride_vc_head, slot_ptr, k_scale_ptr,
+                         v_scale_ptr, t64, tok_ok, d, d_ok, stride_vt, stride_vh,
+                         stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block,
+                         stride_vc_tok, stride_vc_head, NUM_KV_HEADS - first, BLOCK_KH, HALF,
+                         BLOCK_SIZE, KV_FP8, E4M3)  # fmt: skip

@@ -21,6 +21,7 @@ from pagedattn_kernels.common import (
     kernels_for,
     next_power_of_2,
     scale_or_unit,
+    sm_count,
     use_pdl,
 )
 from pagedattn_kernels.quant import triton_launch as quant_launch
@@ -36,6 +37,11 @@ MAX_ROTARY_TILE = 32768
 _ROUND_NONE, _ROUND_CAST, _ROUND_BF16_BITS = 0, 1, 2  # triton_kernels.ROUND_*
 # Interpreted launches pay per operation, not per element: few programs with big tiles.
 _INTERPRETER_TILE = 1 << 16
+#: Rotary grids split over heads (``_rotary_grid``): query heads per program such that a
+#: program holds at most this many (head, dim) pairs (Llama-3-8B's head_dim 128: 8 heads) ...
+ROTARY_SPLIT_PAIRS = 512
+#: ... and the split is taken while the split grid has at most this many programs per SM.
+ROTARY_SPLIT_PER_SM = 4
 
 
 def _round_mode(dtype: torch.dtype, interpreted: bool) -> int:
@@ -199,10 +205,60 @@ def _rotary_tiles(kernel: object, num_tokens: int, block_qh: int, block_kh: int,
     return 1, 4 if (block_qh + block_kh) * half_pad <= 4096 else 8
 
 
+def rotary_head_groups(num_heads: int, num_kv_heads: int, half_pad: int,
+                       cache: bool) -> tuple[int, int]:  # fmt: skip
+    """(query heads, key heads) per program of a rotary grid split over heads: query heads up
+    to ``ROTARY_SPLIT_PAIRS`` pairs a program (a power of two), key heads half as many when
+    the program also writes them and their values into the cache (``cache``: about 2.5 times
+    a query head's loads and stores)."""
+    q = min(next_power_of_2(num_heads), max(1, ROTARY_SPLIT_PAIRS // half_pad))
+    k = max(1, q // 2) if cache else q
+    return q, min(k, next_power_of_2(num_kv_heads))
+
+
+def _rotary_grid(kernel: object, device: torch.device, num_tokens: int, num_heads: int,
+                 num_kv_heads: int, half_pad: int, cache: bool, split: bool | None,
+                 groups: tuple[int, int] | None) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """(tokens per program, head splits, query heads per program, key heads per program,
+    warps) of a rotary launch; ``num_kv_heads`` 0: no key.
+
+    One program per token rotates all of its heads (HEAD_SPLITS 1). Compiled, a decode batch
+    then makes a small, latency-bound grid: on an H200, Llama-3-8B's ``rotary_and_cache_kernel``
+    took ~4.6 us at 16 tokens, 16 programs of 48 heads each with most SMs idle. So with
+    ``split`` None each token's heads are split over programs (``groups``, default
+    ``rotary_head_groups``) when compiled and the split grid has at most
+    ``ROTARY_SPLIT_PER_SM`` programs per SM: Llama-3-8B with the cache write, 4 programs of 8
+    query heads and 2 of 4 key heads a token, split up to 88 tokens on 132 SMs (offline sm_90
+    compile: 51 registers a thread, 53 for an fp8 cache, against 89 unsplit). Larger batches
+    fill the GPU a program per token. Not yet measured on a GPU. ``split`` True / False
+    forces either (tests: the interpreter never splits by itself); a split that leaves one
+    program per token is none."""
+    q_group, k_group = groups or rotary_head_groups(num_heads, num_kv_heads, half_pad, cache)
+    if q_group < 1 or k_group < 1 or q_group & (q_group - 1) or k_group & (k_group - 1):
+        raise ValueError(f"rotary head groups must be powers of two, got {groups}")
+    splits = -(-num_heads // q_group) + (-(-num_kv_heads // k_group) if num_kv_heads else 0)
+    if split is None:
+        sms = sm_count(device)
+        split = not is_interpreted(kernel) and num_tokens * splits <= ROTARY_SPLIT_PER_SM * sms
+    if split and splits > 1:
+        rows, num_warps = _rotary_tiles(kernel, num_tokens, max(q_group, k_group), 0, half_pad)
+        return rows, splits, q_group, k_group, num_warps
+    block_qh, block_kh = next_power_of_2(num_heads), next_power_of_2(num_kv_heads)
+    rows, num_warps = _rotary_tiles(kernel, num_tokens, block_qh, block_kh, half_pad)
+    return rows, 1, block_qh, block_kh, num_warps
+
+
 def rotary_embedding(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, inv_freq: torch.Tensor
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    inv_freq: torch.Tensor,
+    *,
+    split: bool | None = None,
+    groups: tuple[int, int] | None = None,
 ) -> None:
-    """``rotary_kernel``: rotates ``query`` and ``key`` (or only ``query``) in place."""
+    """``rotary_kernel``: rotates ``query`` and ``key`` (or only ``query``) in place; ``split``
+    and ``groups``: the grid over heads (``_rotary_grid``)."""
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return
@@ -210,19 +266,21 @@ def rotary_embedding(
     half_pad = next_power_of_2(half)
     has_key = key is not None and key.shape[1] > 0
     k = key if has_key else query
-    block_qh = next_power_of_2(num_heads)
-    block_kh = next_power_of_2(k.shape[1]) if has_key else 1
     kernel = kernels_for(query.device, KERNELS).rotary_kernel
     interpreted = is_interpreted(kernel)
-    rows, num_warps = _rotary_tiles(kernel, num_tokens, block_qh, block_kh, half_pad)
+    rows, head_splits, block_qh, block_kh, num_warps = _rotary_grid(
+        kernel, query.device, num_tokens, num_heads, k.shape[1] if has_key else 0, half_pad,
+        False, split, groups,
+    )  # fmt: skip
     pdl = use_pdl(query.device)
-    kernel[(-(-num_tokens // rows),)](
+    kernel[(-(-num_tokens // rows), head_splits)](
         query, k, positions, inv_freq, num_tokens,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1),
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], BLOCK_QH=block_qh, BLOCK_KH=block_kh,
         HALF=half, HALF_PAD=half_pad, ROWS=rows, HAS_KEY=has_key,
         ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
-        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
+        HEAD_SPLITS=head_splits, PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -237,21 +295,26 @@ def rotary_embedding_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    *,
+    split: bool | None = None,
+    groups: tuple[int, int] | None = None,
 ) -> None:
     """``rotary_and_cache_kernel``: rotates ``query`` and ``key`` in place and writes the
-    rotated keys and the values into their cache slots."""
+    rotated keys and the values into their cache slots; ``split`` and ``groups``: the grid
+    over heads (``_rotary_grid``)."""
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return
     num_kv_heads = key.shape[1]
     half = head_dim // 2
     half_pad = next_power_of_2(half)
-    block_qh, block_kh = next_power_of_2(num_heads), next_power_of_2(num_kv_heads)
     kernel = kernels_for(query.device, KERNELS).rotary_and_cache_kernel
     interpreted = is_interpreted(kernel)
-    rows, num_warps = _rotary_tiles(kernel, num_tokens, block_qh, block_kh, half_pad)
+    rows, head_splits, block_qh, block_kh, num_warps = _rotary_grid(
+        kernel, query.device, num_tokens, num_heads, num_kv_heads, half_pad, True, split, groups
+    )
     pdl = use_pdl(query.device)
-    kernel[(-(-num_tokens // rows),)](
+    kernel[(-(-num_tokens // rows), head_splits)](
         query, key, value, positions, inv_freq, key_cache, value_cache, slot_mapping,
         scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache), num_tokens,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
@@ -262,5 +325,6 @@ def rotary_embedding_and_cache(
         HALF=half, HALF_PAD=half_pad, ROWS=rows, BLOCK_SIZE=key_cache.shape[1],
         KV_FP8=key_cache.dtype == FP8_DTYPE, E4M3=e4m3_encoder(kernel, query.device),
         ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
-        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
+        HEAD_SPLITS=head_splits, PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
