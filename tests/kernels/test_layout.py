@@ -104,7 +104,6 @@ def test_every_folder_holds_the_same_files(folder):
 NOT_SPECIALIZED = {
     ("attention", "decode_kernel"): {
         "partition_size", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "work_ptr",
-        "merges_ptr", "counters_ptr",
         "stride_bt_seq", "k_scale_ptr", "v_scale_ptr",
     },
     ("attention", "decode_reduce_kernel"): {"partition_size", "num_splits", "seq_lens_ptr"},
