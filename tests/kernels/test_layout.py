@@ -116,7 +116,6 @@ NOT_SPECIALIZED = {
     ("cache", "copy_blocks_kernel"): set(),
     ("fused", "rms_norm_kernel"): {"num_rows"},
     ("fused", "silu_and_mul_kernel"): {"num_rows"},
-    ("fused", "silu_and_mul_fp8_kernel"): {"num_rows", "flip"},  # flip: from the grid size
     ("fused", "rotary_kernel"): {"num_tokens"},
     # Row widths and strides are a model's constants: specialized, so that loads and stores
     # of widths that are multiples of 16 vectorize (unspecialized, each moved one element).

@@ -43,8 +43,7 @@ from pagedattn_kernels.fused import triton_launch as fused
 from pagedattn_kernels.quant import triton_kernels as quant_kernels
 from pagedattn_kernels.quant import triton_launch as quant
 
-FUSED_KERNELS = ("rms_norm_kernel", "silu_and_mul_kernel", "silu_and_mul_fp8_kernel",
-                 "rotary_kernel", "rotary_and_cache_kernel")  # fmt: skip
+FUSED_KERNELS = ("rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel", "rotary_and_cache_kernel")
 # SASS opcodes (with their width suffix where it matters) that --sass counts.
 SASS_OPS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDS", "LDS.U8", "LDS.U16", "LDS.64", "LDS.128",
             "LDGSTS", "LDG", "STS", "F2FP", "F2F", "PRMT", "BAR", "SHFL", "MUFU", "STL", "LDL")  # fmt: skip
@@ -214,8 +213,6 @@ def main() -> None:
     # ... and with programmatic dependent launch, as on an sm_90 GPU (common.use_pdl).
     for launcher in (attention, cache, fused, quant):
         launcher.use_pdl = lambda device: True
-    # ... and an H200's SMs, which bound the grid of the SiLU kernel with a grid barrier.
-    fused.sm_count = lambda device, interpreted=4: 132
 
     if args.fp8:
         _fp8_variants()
@@ -332,13 +329,7 @@ def _fp8_variants() -> None:
         for tiled in (False, True):
             fused.silu_and_mul(x, torch.empty(8, 2 * 14336, dtype=dtype), 14336,
                                fp8_out=(torch.empty(8, 14336, dtype=kc.dtype), torch.empty(8, 1)),
-                               tiled=tiled, barrier=False)  # fmt: skip
-        for m in (1, 19, 64, 128):  # SiLU in one kernel with a grid barrier: ROWS 1, 2, 4, 8
-            fused.silu_and_mul_fp8_barrier(
-                torch.empty(m, 2 * 14336, dtype=dtype), 14336,
-                torch.empty(m, 14336, dtype=kc.dtype), torch.empty(m, 1),
-                fused.barrier_tiles(m, 14336, 132),
-            )  # fmt: skip
+                               tiled=tiled)  # fmt: skip
 
 
 def _report() -> None:

@@ -2,9 +2,7 @@
 in ``triton_launch``, the public ops in ``ops``): RMSNorm with the residual add fused in,
 SiLU-and-multiply, rotary embedding (alone, or with the new keys and values written into the
 paged KV cache in the same pass); the first two can also quantize their output per token to
-fp8 (``QUANT``), the input of the fp8 linear layer that follows. SiLU-and-multiply to fp8 at
-decode sizes also runs as one tiled kernel with a grid-wide barrier between the tiles' row
-maxima and their quantization (``silu_and_mul_fp8_kernel``, ``_grid_barrier``).
+fp8 (``QUANT``), the input of the fp8 linear layer that follows.
 
 Each kernel reproduces the rounding sequence of the unfused torch composition it replaces
 (Hugging Face's Llama: ``models/layers.py``), not just its mathematical value, so that a model
@@ -93,33 +91,19 @@ def _e4m3(y, E4M3: tl.constexpr):
 
 
 @triton.jit
-def _fp8_scale(amax, min_scale):
-    """Per-token scales from the rows' largest magnitudes: ``max(amax / 448, min_scale)``
-    (IEEE division), as ``quantize_fp8_per_token`` computes them."""
-    return tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
-
-
-@triton.jit
-def _store_fp8(y, scale, q_ptr, r64, cols, mask, stride_q, E4M3: tl.constexpr):
-    """``q = e4m3(clamp(y / scale))`` for a tile ``y [ROWS, BLOCK]`` (fp32; rows ``r64
-    [ROWS, 1]``, columns ``cols``) with its rows' ``scale [ROWS]``: the quotient correctly
-    rounded (``_quotient``)."""
-    recip = tl.math.div_rn(1.0, scale)
-    v = _quotient(y, scale[:, None], recip[:, None])
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + r64 * stride_q + cols[None, :], _e4m3(v, E4M3), mask=mask)
-
-
-@triton.jit
 def _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale,
                     E4M3: tl.constexpr):  # fmt: skip
     """Quantize whole rows ``y [ROWS, BLOCK]`` (fp32 holding model-dtype values; zeros past
     the row's end) per token to e4m3, as ``quantize_fp8_per_token`` does to the same values:
     ``scale = max(amax / 448, min_scale)`` (IEEE division), ``q = e4m3(clamp(y / scale))``
     (the quotient correctly rounded, ``_quotient``)."""
-    scale = _fp8_scale(tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max), min_scale)
+    amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
-    _store_fp8(y, scale, q_ptr, r64, cols, mask, stride_q, E4M3)
+    recip = tl.math.div_rn(1.0, scale)
+    v = _quotient(y, scale[:, None], recip[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(q_ptr + r64 * stride_q + cols[None, :], _e4m3(v, E4M3), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -192,24 +176,6 @@ def rms_norm_kernel(
                  mask=mask)  # fmt: skip
 
 
-@triton.jit
-def _silu_and_mul_tile(x_ptr, r64, cols, mask, stride_x, like_ptr, INTER: tl.constexpr,
-                       ROUND: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
-    """The products ``silu(gate) * up`` of a tile (rows ``r64 [ROWS, 1]``, columns ``cols``)
-    in fp32 holding values of ``like_ptr``'s dtype (zeros where ``mask`` is off): silu as
-    torch computes it, ``g / (1 + expf(-g))``, rounded to the dtype before the product, and
-    the product rounded. Every SiLU kernel here computes its products with this."""
-    gate_ptrs = x_ptr + r64 * stride_x + cols[None, :]
-    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_ptrs + INTER, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    s = _round(tl.math.div_rn(g, 1.0 + e), like_ptr, ROUND)
-    return _round(s * u, like_ptr, ROUND)
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def silu_and_mul_kernel(
     out_ptr,
@@ -250,7 +216,15 @@ def silu_and_mul_kernel(
     row_ok = rows < num_rows
     mask = row_ok[:, None] & (cols < INTER)[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    y = _silu_and_mul_tile(x_ptr, r64, cols, mask, stride_x, out_ptr, INTER, ROUND, LIBDEVICE)
+    gate_ptrs = x_ptr + r64 * stride_x + cols[None, :]
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + INTER, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = _round(tl.math.div_rn(g, 1.0 + e), out_ptr, ROUND)
+    y = _round(s * u, out_ptr, ROUND)
     if QUANT:
         _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale,
                         QUANT)  # fmt: skip
@@ -261,114 +235,6 @@ def silu_and_mul_kernel(
             amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
             tl.store(partial_ptr + rows.to(tl.int64) * chunks + tl.program_id(1), amax,
                      mask=row_ok)  # fmt: skip
-
-
-@triton.jit
-def _grid_barrier(flag_ptr, flip):
-    """Wait until every program of the (2-D) grid has called this: a grid-wide barrier on one
-    int32 word, the arrival count of CUDA's cooperative groups (``grid.sync``) and Inductor's
-    ``x_grid_barrier``. The first program adds ``flip = 2^31 - (programs - 1)``, every other
-    one 1: the arrivals add up to 2^31, so the word's top bit flips exactly when the last
-    program arrives (no partial sum reaches it), and each program spins until it sees its
-    top bit differ from the one its own arrival saw. The word's low 31 bits are zero again
-    afterwards and its top bit has flipped: 0 and 2^31 are both a starting state, so nothing
-    needs resetting, not between calls nor in a CUDA graph replayed many times. That holds as
-    long as every launch completes, and one barrier kernel runs at a time per word. (An
-    arrival count and a departure count, the last program out zeroing both, would do the
-    same with a second atomic per program on the same word.)
-
-    Memory order: ``debug_barrier`` first, so every thread of the program has issued its
-    stores before its arrival (one thread does the atomics, ``sem="release"``); the spin
-    reads with ``sem="acquire"``, and the caller then reads what other programs stored with
-    loads that go to L2 (``.cg``), where their stores landed. Compiled for sm_90 (Triton 3.6
-    and 3.9): ``MEMBAR.ALL.GPU`` then ``ATOMG.E.ADD.STRONG.GPU`` by thread 0; the spin is an
-    acquire load (``ld.global.gpu.acquire``: ``LDG.E.STRONG.GPU``, ``CCTL.IVALL``) whose value
-    reaches the other threads through shared memory and ``bar.sync``.
-
-    Only with every program of the grid resident at once: a program that waits for one that
-    has not started waits forever (the launcher's ``launch_cooperative_grid`` and grid size).
-    Never in the interpreter, which runs the programs one after another."""
-    tl.debug_barrier()
-    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-    old = tl.atomic_add(flag_ptr, tl.where(first, flip, 1), sem="release")
-    now = tl.atomic_add(flag_ptr, 0, sem="acquire")
-    while (old ^ now) >= 0:  # the same top bit: not everyone is here yet
-        now = tl.atomic_add(flag_ptr, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit(do_not_specialize=["num_rows", "flip"])
-def silu_and_mul_fp8_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    partial_ptr,
-    flag_ptr,
-    num_rows,
-    stride_x,
-    stride_q,
-    min_scale,
-    flip,
-    INTER: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    CHUNKS_P2: tl.constexpr,
-    ROUND: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-    E4M3: tl.constexpr,
-    PHASES: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """SiLU-and-multiply of ``x [rows, 2 * INTER]`` quantized per token to e4m3 in one kernel
-    whose products never go to memory: tiled like ``silu_and_mul_kernel``'s AMAX mode (grid
-    ``(cdiv(rows, ROWS), CHUNKS)``, a [ROWS, BLOCK] tile each), with a grid-wide barrier
-    between the tiles' row maxima and the quantization:
-
-    - phase 1: the tile's products (``_silu_and_mul_tile``, the arithmetic and roundings of
-      every SiLU kernel here), and each row's largest magnitude in the tile to
-      ``partial[row, program_id(1)]`` (``CHUNKS`` per row);
-    - phase 2: each row's ``CHUNKS`` maxima read back, its scale computed and the tile's
-      products quantized as ``quantize_fp8_tiles_kernel`` does (``_fp8_scale``,
-      ``_store_fp8``); the programs of chunk 0 store the scales.
-
-    So the codes and scales are the two-kernel path's bit for bit (``silu_and_mul_kernel``'s
-    AMAX, then ``quantize_fp8_tiles_kernel``): the same products, the same maxima (a maximum
-    does not depend on the split), the same scale and quotient code.
-
-    PHASES 3 (compiled): both phases in one launch, the products kept in registers across
-    ``_grid_barrier`` (``flag_ptr``, ``flip``: its word and the first program's addend). Why:
-    at decode sizes (16-64 rows of 14,336) each of the two kernels is a latency-bound
-    1.7-1.9 us on an H200; this removes a kernel boundary per layer and the products'
-    round trip through L2 (not yet timed on a GPU). The grid must be co-resident (see the
-    launcher, ``triton_launch.silu_and_mul_fp8_barrier``).
-    PHASES 1, then 2 (two launches on the same grid, ``flag_ptr`` unused): the same kernel
-    with a kernel boundary instead of the barrier, for Triton's interpreter, which runs
-    programs one after another (a spin barrier would never return there); phase 2 computes
-    the products again, identically, instead of keeping them."""
-    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
-        gdc_wait()
-        gdc_launch_dependents()
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < num_rows
-    mask = row_ok[:, None] & (cols < INTER)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    y = _silu_and_mul_tile(x_ptr, r64, cols, mask, stride_x, x_ptr, INTER, ROUND, LIBDEVICE)
-    part = partial_ptr + rows.to(tl.int64) * CHUNKS
-    if PHASES & 1:
-        amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
-        tl.store(part + tl.program_id(1), amax, mask=row_ok)
-    if PHASES == 3:
-        _grid_barrier(flag_ptr, flip)
-    if PHASES & 2:
-        p = tl.arange(0, CHUNKS_P2)
-        maxima = tl.load(part[:, None] + p[None, :], mask=row_ok[:, None] & (p < CHUNKS)[None, :],
-                         other=0.0, cache_modifier=".cg")  # fmt: skip
-        scale = _fp8_scale(tl.reduce(maxima, 1, tl.standard._elementwise_max), min_scale)
-        if tl.program_id(1) == 0:
-            tl.store(scale_ptr + rows, scale, mask=row_ok)
-        _store_fp8(y, scale, q_ptr, r64, cols, mask, stride_q, E4M3)
 
 
 @triton.jit

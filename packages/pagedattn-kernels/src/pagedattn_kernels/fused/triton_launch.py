@@ -11,7 +11,6 @@ rounds twice.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -127,7 +126,7 @@ def _quant_mode(kernel: object, x: torch.Tensor, fp8_out: object) -> int:
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
                  fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 tiled: bool | None = None, barrier: bool | None = None) -> None:  # fmt: skip
+                 tiled: bool | None = None) -> None:  # fmt: skip
     """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``, or
     with ``fp8_out = (q [rows, inter] e4m3, scale [rows, 1] float32)`` quantized per token
     there (``out`` then only gives the dtype and is not written), tiled or a program per row.
@@ -137,13 +136,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     24.5 / 50.9 for a program per row (98 registers x 512 threads: one program per SM, whose
     load, reduction and store phases do not overlap) and 4.3 / 10.2 / 21.3 / 44.2 for the plain
     kernel then the quantization (``python -m pagedkv.bench.kernels --gemm-only``,
-    ``quant[]``). A program per row in the interpreter, where programs cost most.
-
-    Tiled, up to about one program per SM (``barrier_tiles``), the two kernels become one
-    (``silu_and_mul_fp8_barrier``): ``barrier`` None follows ``silu_barrier_tiles`` (on unless
-    ``$PAGEDATTN_SILU_BARRIER`` is 0; never in the interpreter), False keeps the two kernels,
-    True asks for the one kernel (a ValueError where the grid would not fit; the interpreter
-    runs it as two launches of its phases)."""
+    ``quant[]``). A program per row in the interpreter, where programs cost most."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
@@ -153,7 +146,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         if tiled is None:
             tiled = not interpreted
         if tiled:
-            _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out, barrier)
+            _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out)
             return
     out2 = row_view(out, inter) if fp8_out is None else x
     num_warps = 4
@@ -181,26 +174,13 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
 
 
 def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torch.Tensor,
-                            scale: torch.Tensor, barrier: bool | None = None) -> None:  # fmt: skip
-    """SiLU-and-multiply to fp8 rows, tiled: in one kernel with a grid barrier where the grid
-    fits (``barrier``: see ``silu_and_mul``), else in two kernels: the products in the model
-    dtype with each tile's largest magnitude per row (AMAX), then
-    ``quantize_fp8_from_maxima``. The products make one extra round trip (mostly through L2)
-    against a program per row, which keeps a whole row in registers but runs few, long
-    programs."""
+                            scale: torch.Tensor) -> None:  # fmt: skip
+    """SiLU-and-multiply to fp8 rows in two tiled kernels: the products in the model dtype with
+    each tile's largest magnitude per row (AMAX), then ``quantize_fp8_from_maxima``. The
+    products make one extra round trip (mostly through L2) against a program per row, which
+    keeps a whole row in registers but runs few, long programs."""
     num_rows = x.shape[0]
     interpreted = is_interpreted(kernel)
-    if barrier is None:
-        tiles = silu_barrier_tiles(num_rows, inter, x.device, interpreted)
-    elif barrier:
-        tiles = barrier_tiles(num_rows, inter, sm_count(x.device, _INTERPRETED_SMS))
-        if tiles is None:
-            raise ValueError(f"silu_and_mul_fp8: {num_rows} rows of {inter} take more programs "
-                             "than the GPU holds at once; no grid barrier")  # fmt: skip
-    else:
-        tiles = None
-    if tiles is not None and silu_and_mul_fp8_barrier(x, inter, q, scale, tiles):
-        return
     rows, block = quant_launch.tile_shape(num_rows, inter, interpreted)
     chunks = -(-inter // block)
     y = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
@@ -213,129 +193,6 @@ def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torc
         enable_fp_fusion=False,
     )  # fmt: skip
     quant_launch.quantize_fp8_from_maxima(y, partial, q, scale, block)
-
-
-# ----------------------------------------------------------- SiLU to fp8 in one kernel
-
-SILU_BARRIER_ENV = "PAGEDATTN_SILU_BARRIER"
-#: Columns of a barrier program's tile (fewer for a narrower row): 14,336 is 7 of them.
-BARRIER_BLOCK = 2048
-#: Most elements of a barrier program's tile, held in registers across the barrier: 32 per
-#: thread at 16 warps.
-BARRIER_TILE = 16384
-#: The SM count the interpreter's barrier tiles are chosen for: an H200's, so that tests on
-#: the CPU run the tile shapes the GPU gets.
-_INTERPRETED_SMS = 132
-
-_BARRIER_FLAGS: dict[torch.device, torch.Tensor] = {}
-
-
-def silu_barrier_setting() -> str:
-    """``$PAGEDATTN_SILU_BARRIER``: "on" (unset, 1 or anything else: the one-kernel path where
-    the grid fits, launched cooperatively), "off" (0: always the two kernels), "nocoop" (the
-    one kernel launched without ``launch_cooperative_grid``, co-resident by its size alone:
-    for a GPU A/B only, should the cooperative launch be refused)."""
-    raw = os.environ.get(SILU_BARRIER_ENV, "1").strip().lower()
-    return "off" if raw == "0" else "nocoop" if raw == "nocoop" else "on"
-
-
-def barrier_tiles(num_rows: int, inter: int, sms: int) -> tuple[int, int] | None:
-    """``(ROWS, BLOCK)`` of ``silu_and_mul_fp8_kernel`` with its grid barrier over ``num_rows``
-    rows of ``inter``, or None where the grid would have more programs than ``sms`` (a spin
-    barrier needs every program resident at once; one per SM always fits). BLOCK: 2,048
-    columns (or the row, when shorter); ROWS: the fewest rows, a power of two, that bring the
-    grid within ``sms``, up to ``BARRIER_TILE`` elements a tile. On an H200 (132 SMs) at
-    14,336: 7 chunks; 1-18 rows one row a program, 64 rows 4 (112 programs), 128 rows 8 (112),
-    up to 144 rows; beyond, the two-kernel path. ROWS follows the row count: up to four
-    compiled variants at 14,336, compiled at the engine's warm-up before its CUDA graphs."""
-    block = min(next_power_of_2(inter), BARRIER_BLOCK)
-    chunks = -(-inter // block)
-    rows = 1
-    while -(-num_rows // rows) * chunks > sms:
-        rows *= 2
-        if rows * block > BARRIER_TILE:
-            return None
-    return rows, block
-
-
-def silu_barrier_tiles(num_rows: int, inter: int, device: torch.device,
-                       interpreted: bool) -> tuple[int, int] | None:  # fmt: skip
-    """The dispatch rule: the tiles of the one-kernel path for this call, or None for the
-    two-kernel path. Compiled only (the interpreter runs programs one after another, so a
-    spin barrier would never return), unless ``$PAGEDATTN_SILU_BARRIER`` is 0, and where the
-    grid fits on the device's SMs (``barrier_tiles``)."""
-    if interpreted or device.type != "cuda" or silu_barrier_setting() == "off":
-        return None
-    return barrier_tiles(num_rows, inter, sm_count(device))
-
-
-def barrier_flag(device: torch.device) -> torch.Tensor | None:
-    """The grid barrier's int32 word (``_grid_barrier``), kept per device; a 128-byte line of
-    its own. Made zero; each call flips its top bit and leaves the low 31 bits zero. None
-    while a CUDA graph is being captured and it is missing: made there it would belong to the
-    graph's pool and be zeroed by no one (the engine warms up every batch size first). One
-    barrier kernel at a time per device: the engine's kernels run on one stream."""
-    flag = _BARRIER_FLAGS.get(device)
-    if flag is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        flag = _BARRIER_FLAGS[device] = torch.zeros(32, dtype=torch.int32, device=device)
-    return flag
-
-
-def silu_and_mul_fp8_barrier(x: torch.Tensor, inter: int, q: torch.Tensor, scale: torch.Tensor,
-                             tiles: tuple[int, int]) -> bool:  # fmt: skip
-    """``silu_and_mul_fp8_kernel``: ``x [rows, 2 * inter]`` to ``q [rows, inter]`` e4m3 and
-    ``scale [rows, 1]`` in one kernel with a grid barrier (``tiles``: ``(ROWS, BLOCK)``, as
-    ``barrier_tiles`` picks them), the same bits as the two-kernel path. Returns False, launching
-    nothing, while a CUDA graph is being captured before the barrier's word exists (the
-    caller takes the two kernels then).
-
-    Co-residency, which a spin barrier needs (a program waiting on one not yet started waits
-    forever): at most one program per SM (``ValueError`` otherwise), and
-    ``launch_cooperative_grid=True``, with which the driver starts the grid only if all of it
-    fits at once and fails the launch otherwise, rather than hang (Triton's NVIDIA launcher
-    sets ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE`` in ``cuLaunchKernelEx``, next to PDL's
-    attribute). Under PDL the kernel may start while the one before it still runs; its
-    programs wait in ``gdc_wait`` until that one ends, which it does without them, so the
-    rest of the grid gets its SMs then; the kernel after it launches only once every program
-    here has passed ``gdc_launch_dependents``, all resident by then.
-
-    In the interpreter: two launches of the kernel on the same grid, phase 1 then phase 2
-    (``PHASES``), the kernel boundary in place of the barrier."""
-    num_rows = x.shape[0]
-    rows, block = tiles
-    kernel = kernels_for(x.device, KERNELS).silu_and_mul_fp8_kernel
-    interpreted = is_interpreted(kernel)
-    chunks = -(-inter // block)
-    grid = (-(-num_rows // rows), chunks)
-    programs = grid[0] * grid[1]
-    if not interpreted and programs > sm_count(x.device):
-        raise ValueError(f"silu_and_mul_fp8: a grid barrier over {programs} programs, more than "
-                         f"the {sm_count(x.device)} SMs")  # fmt: skip
-    flag = None
-    if not interpreted:
-        flag = barrier_flag(x.device)
-        if flag is None:
-            return False
-    partial = torch.empty(num_rows, chunks, dtype=torch.float32, device=x.device)
-    # The first program's addend 2^31 - (programs - 1) as an int32 (2^31 itself wraps to -2^31).
-    flip = (1 << 31) - (programs - 1)
-    flip = flip - (1 << 32) if flip >= 1 << 31 else flip
-    tile = rows * block
-    num_warps = 4 if interpreted else min(16, max(4, tile // 512))
-    pdl = use_pdl(x.device)
-    coop = not interpreted and silu_barrier_setting() != "nocoop"
-    for phases in (1, 2) if interpreted else (3,):
-        kernel[grid](
-            x, q, scale, partial, partial if flag is None else flag,  # phases 1, 2: unused
-            num_rows, x.stride(0), q.stride(0), MIN_SCALE, flip,
-            INTER=inter, BLOCK=block, ROWS=rows, CHUNKS=chunks, CHUNKS_P2=next_power_of_2(chunks),
-            ROUND=_round_mode(x.dtype, interpreted), LIBDEVICE=not interpreted,
-            E4M3=e4m3_encoder(kernel, x.device), PHASES=phases, PDL=pdl, launch_pdl=pdl,
-            launch_cooperative_grid=coop, num_warps=num_warps, enable_fp_fusion=False,
-        )  # fmt: skip
-    return True
 
 
 def _rotary_tiles(kernel: object, num_tokens: int, block_qh: int, block_kh: int,
