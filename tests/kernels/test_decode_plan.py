@@ -60,7 +60,7 @@ def check_plan(
     (``chunk``: the bound on every chunk's length, where known; ``ordered``: longest first).
     Returns the number of items."""
     work, merges = plan.work, plan.merges
-    assert work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == 5
+    assert work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == 4
     assert merges.dtype == torch.int32 and merges.dim() == 2 and merges.shape[1] == 3
     assert work.is_contiguous() and merges.is_contiguous()
     assert plan.tile_n == tile_n
@@ -68,20 +68,18 @@ def check_plan(
     items = [tuple(w) for w in work_rows if w[0] != -1]
     k = len(items)
     assert work_rows[:k] == [list(w) for w in items], "padding items must come last"
-    assert all(w == [-1] * 5 for w in work_rows[k:]), "padding items are all -1"
+    assert all(w == [-1, -1, -1, -1] for w in work_rows[k:]), "padding items are all -1"
     assert plan.num_items == k
     m = sum(1 for r in merge_rows if r[0] != -1)
     assert all(r[0] != -1 for r in merge_rows[:m]), "padding merges must come last"
     assert all(r == [-1, -1, -1] for r in merge_rows[m:]), "padding merges are all -1"
 
-    lengths = [end - start for _, start, end, _, _ in items]
+    lengths = [end - start for _, start, end, _ in items]
     if ordered:
         assert lengths == sorted(lengths, reverse=True), "items must be listed longest first"
     by_row: dict[int, list[tuple[int, int, int]]] = {}
-    for row, start, end, partial, merge in items:
+    for row, start, end, partial in items:
         assert 0 <= row < len(lens), f"item of row {row}, batch of {len(lens)}"
-        assert (partial < 0) == (merge < 0), "a chunk writes a partial iff its row has a merge"
-        assert merge < 0 or merge_rows[merge][0] == row, "an item names its own row's merge"
         by_row.setdefault(row, []).append((start, end, partial))
     assert sorted(by_row) == list(range(len(lens))), "every row needs at least one item"
     by_merge: dict[int, tuple[int, int]] = {}
@@ -171,7 +169,7 @@ def test_build_plan_covers_every_row_once(lens, lanes, tile_n, min_chunk):
         assert k <= 2 * lanes, "rows that fit one wave: the items fit two"
     # Padded to the capacity (a CUDA graph's buffers): the same items and merges, then -1.
     padded = build_plan(lens, lanes, tile_n, size=(most_items, most_merges), min_chunk=min_chunk)
-    assert padded.work.shape == (most_items, 5) and padded.merges.shape == (most_merges, 3)
+    assert padded.work.shape == (most_items, 4) and padded.merges.shape == (most_merges, 3)
     assert check_plan(padded, lens, tile_n, chunk) == k
     assert torch.equal(padded.work[:k], plan.work)
     assert torch.equal(padded.merges[: plan.merges.shape[0]], plan.merges)
@@ -187,15 +185,15 @@ def test_build_plan_examples():
     plan = build_plan([600, 0, 17, 130, 1, 0, 64], lanes=8, tile_n=64)
     # 812 tokens over 8 lanes: 102, raised to min_chunk (128): 600 in 5 chunks, 130 in 2
     assert plan.work.tolist() == [
-        [0, 0, 128, 0, 0], [0, 128, 256, 1, 0], [0, 256, 384, 2, 0], [0, 384, 512, 3, 0],
-        [3, 0, 128, 5, 1], [0, 512, 600, 4, 0], [6, 0, 64, -1, -1], [2, 0, 17, -1, -1],
-        [3, 128, 130, 6, 1], [4, 0, 1, -1, -1], [1, 0, 0, -1, -1], [5, 0, 0, -1, -1],
+        [0, 0, 128, 0], [0, 128, 256, 1], [0, 256, 384, 2], [0, 384, 512, 3], [3, 0, 128, 5],
+        [0, 512, 600, 4], [6, 0, 64, -1], [2, 0, 17, -1], [3, 128, 130, 6], [4, 0, 1, -1],
+        [1, 0, 0, -1], [5, 0, 0, -1],
     ]  # fmt: skip
     assert plan.merges.tolist() == [[0, 0, 5], [3, 5, 2]]
     # More rows than lanes: the average work of a lane (1000 / 2 -> 512 in tiles of 128).
     plan = build_plan([900, 100, 0], lanes=2, tile_n=128)
-    assert plan.work.tolist() == [[0, 0, 512, 0, 0], [0, 512, 900, 1, 0], [1, 0, 100, -1, -1],
-                                  [2, 0, 0, -1, -1]]  # fmt: skip
+    assert plan.work.tolist() == [[0, 0, 512, 0], [0, 512, 900, 1], [1, 0, 100, -1],
+                                  [2, 0, 0, -1]]  # fmt: skip
     assert plan.merges.tolist() == [[0, 0, 2]]
     # One row, many lanes, no min_chunk: 1/MAX_CHUNKS of the row bounds its chunks.
     plan = build_plan([4096], lanes=200, tile_n=16, min_chunk=1)
@@ -390,47 +388,6 @@ def test_planned_decode_follows_any_valid_plan(target, seed, group, poisoned_scr
     )
 
 
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_merge_by_the_last_program_is_the_merge_kernels(target, seed, group, monkeypatch,
-                                                       poisoned_scratch):  # fmt: skip
-    """``decode_kernel``'s MERGE_HERE (a split row merged by its last program to finish)
-    against the merge kernel on the same plan: the same outputs up to the order of the float32
-    sums (the kernel merges 8 partial rows at a time, the merge kernel 64), equal on every
-    repeat (the merge follows the partials' order, not the programs'), and the counts back at
-    zero after each call, so the next call (the next layer) starts clean."""
-    if target.backend != "triton":
-        pytest.skip("plans schedule the Triton kernels")
-    from pagedattn_kernels import common
-    from pagedattn_kernels.attention import triton_launch as tl_launch
-
-    gen = target.generator(seed)
-    tile_n = pk.plan_decode([1], num_kv_heads=2, head_dim=32, dtype=F32, kv_dtype=F32,
-                            device=target.device).tile_n  # fmt: skip
-    lens = [20 * tile_n + 3, 0, 5, 3 * tile_n + 1, 2 * tile_n]
-    batch = random_paged_batch(
-        gen, lens, [1] * len(lens), num_heads=2 * group, num_kv_heads=2, head_dim=32,
-        block_size=16, dtype=F32, device=target.device,
-    )  # fmt: skip
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
-    plan = build_plan(lens, lanes=1000, tile_n=tile_n, min_chunk=1, size=(60, 4))
-    assert sum(1 for m in plan.merges.tolist() if m[0] >= 0) == 3
-    plan = plan.to(torch.device(target.device))
-    ref = reference.paged_decode_attention(*args)
-    outs = {}
-    for here in (True, False, True):
-        monkeypatch.setattr(tl_launch, "MERGE_HERE", here)
-        out = pk.paged_decode_attention(*args, out=poisoned_like(batch.query), backend="triton",
-                                        plan=plan)  # fmt: skip
-        assert rel_error(out, ref) < TOLERANCE[F32], f"merge here={here} (seed={seed})"
-        if here in outs:
-            assert torch.equal(out, outs[here]), f"a repeat differs (seed={seed})"
-        outs[here] = out
-        counts = common._COUNTERS.get(out.device)
-        assert counts is None or not bool(counts.any()), "the counts must end at zero"
-    assert rel_error(outs[True], outs[False]) < 1e-6, f"seed={seed}"
-    assert common._COUNTERS.get(outs[True].device) is not None, "the merge-here run had counts"
-
-
 # --------------------------------------------------------------------------- bad calls
 
 
@@ -454,17 +411,17 @@ def test_decode_rejects_bad_plans():
         return lambda: pk.paged_decode_attention(*args, out=out, backend=backend, plan=plan, **kw)
 
     wide = torch.zeros(work.shape[0], 8, dtype=torch.int32)
-    wide[:, :5] = work
+    wide[:, :4] = work
     bad = [
-        (DecodePlan(work.long(), merges, 64), "plan.work must be int32 [rows, 5], got torch.int64"),
+        (DecodePlan(work.long(), merges, 64), "plan.work must be int32 [rows, 4], got torch.int64"),
         (DecodePlan(work, merges.long(), 64), "plan.merges must be int32 [rows, 3]"),
-        (DecodePlan(work[:, :4].contiguous(), merges, 64), "plan.work must be int32 [rows, 5]"),
-        (DecodePlan(wide, merges, 64), "plan.work must be int32 [rows, 5]"),
-        (DecodePlan(work.reshape(-1), merges, 64), "plan.work must be int32 [rows, 5]"),
+        (DecodePlan(work[:, :3].contiguous(), merges, 64), "plan.work must be int32 [rows, 4]"),
+        (DecodePlan(wide, merges, 64), "plan.work must be int32 [rows, 4]"),
+        (DecodePlan(work.reshape(-1), merges, 64), "plan.work must be int32 [rows, 4]"),
         (DecodePlan(work, merges[:, :2].contiguous(), 64), "plan.merges must be int32 [rows, 3]"),
         (DecodePlan(work.to(elsewhere), merges, 64), "plan.work must be on cpu (the query"),
         (DecodePlan(work, merges.to(elsewhere), 64), "plan.merges must be on cpu (the query"),
-        (DecodePlan(wide[:, :5], merges, 64), "plan.work must be contiguous"),
+        (DecodePlan(wide[:, :4], merges, 64), "plan.work must be contiguous"),
         (DecodePlan(work.t().contiguous().t(), merges, 64), "plan.work must be contiguous"),
         ((work, merges, 64), "plan must be a DecodePlan, got tuple"),
     ]

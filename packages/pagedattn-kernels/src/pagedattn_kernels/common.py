@@ -302,26 +302,6 @@ def e4m3_encoder(kernel: object, device: torch.device) -> int:
     return 2
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def zeroed_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least ``n`` zeroed int32 counts on ``device``, for kernels whose programs count
-    themselves in and let the last one finish the work (``fp8_matmul_kernel``'s and
-    ``decode_kernel``'s MERGE_HERE): each such kernel leaves them zero again, so one buffer
-    per device serves every call, one call at a time (the model's kernels run on one stream).
-    None while a CUDA graph is being captured and the buffer is missing or too small: an
-    allocation there would belong to the graph's pool; the caller then takes its path
-    without counters."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        have = torch.zeros(max(4096, next_power_of_2(n)), dtype=torch.int32, device=device)
-        _COUNTERS[device] = have
-    return have
-
-
 _UNITS: dict[torch.device, torch.Tensor] = {}
 
 

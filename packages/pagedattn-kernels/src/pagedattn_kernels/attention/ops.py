@@ -17,7 +17,7 @@ from pagedattn_kernels.attention.checks import (
     check_new_kv,
     check_triton_attention,
 )
-from pagedattn_kernels.attention.plan import MERGE_COLUMNS, WORK_COLUMNS, DecodePlan
+from pagedattn_kernels.attention.plan import DecodePlan
 from pagedattn_kernels.common import check_kv_scales, fail, resolve_backend
 
 __all__ = ["paged_attention", "paged_decode_attention"]
@@ -154,8 +154,7 @@ def _check_plan(op: str, plan: DecodePlan, query: torch.Tensor, num_splits: int 
     if num_splits is not None or seq_order is not None:
         raise fail(op, "a plan decides the splits and the order: pass neither num_splits nor "
                        "seq_order with it")  # fmt: skip
-    for name, t, width in (("work", plan.work, WORK_COLUMNS), ("merges", plan.merges,
-                                                               MERGE_COLUMNS)):
+    for name, t, width in (("work", plan.work, 4), ("merges", plan.merges, 3)):
         if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != width:
             raise fail(op, f"plan.{name} must be int32 [rows, {width}], got {t.dtype} "
                            f"{list(t.shape)}")  # fmt: skip

@@ -12,8 +12,8 @@ a real ShareGPT run, decode attention on the fp8 cache took 33.8 us at 32 sequen
 A plan cuts each sequence into chunks of at most ``chunk`` tokens, the same bound for every
 sequence, chosen from the whole batch (``chunk_size``): the work one program slot gets on
 average (rounded up to whole tiles, and at least ``MIN_CHUNK``). The chunks of a split
-sequence write partial outputs, merged by the sequence's last chunk to finish (or by
-``decode_merge_kernel``); a sequence of one chunk writes its output directly. The chunks are listed longest first (list scheduling's longest
+sequence write partial outputs, which ``decode_merge_kernel`` merges; a sequence of one chunk
+writes its output directly. The chunks are listed longest first (list scheduling's longest
 processing time first rule), so the long ones start at once and the short ones fill in.
 
 This is FlashInfer's plan-then-run split of a decode call: the plan is host work on lengths
@@ -39,18 +39,14 @@ from pagedattn_kernels.common import FP8_DTYPE, fail
 MIN_CHUNK = 128
 #: The most chunks one sequence is cut into (the merge kernel's PARTS_PAD).
 MAX_CHUNKS = 64
-#: Columns of a plan's ``work`` and ``merges`` rows.
-WORK_COLUMNS = 5
-MERGE_COLUMNS = 3
 
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
-    """``work`` (int32 ``[capacity, 5]``): one item per program of each KV head, longest
-    first: the query row, the chunk's first and end context positions, the row of the
-    partial buffers it writes (-1: the row's whole context, written to the output directly)
-    and the index of its row's entry in ``merges`` (-1 likewise). Rows past the items are
-    padding (all -1). ``merges`` (int32 ``[merge_capacity, 3]``): per
+    """``work`` (int32 ``[capacity, 4]``): one item per program of each KV head, longest
+    first: the query row, the chunk's first and end context positions, and the row of the
+    partial buffers it writes (-1: the row's whole context, written to the output directly).
+    Rows past the items are padding (row -1). ``merges`` (int32 ``[merge_capacity, 3]``): per
     split sequence, its query row, its first partial row and how many (contiguous) partial
     rows it has; padding rows -1. ``tile_n``: the kernel tile the chunks are multiples of
     (the launch must use the same configuration)."""
@@ -126,9 +122,8 @@ def build_plan(
     end = np.minimum(start + per[rows], lens[rows])
     split = counts[rows] > 1
     partial = np.where(split, np.cumsum(split) - 1, -1)
-    merge = np.where(split, (np.cumsum(counts > 1) - 1)[rows], -1)
     order = np.argsort(start - end, kind="stable")  # longest first, ties in row order
-    work = np.stack([rows, start, end, partial, merge], axis=1)[order]
+    work = np.stack([rows, start, end, partial], axis=1)[order]
     split_rows = np.flatnonzero(counts > 1)
     merges = np.stack([split_rows, partial[firsts[split_rows]], counts[split_rows]], axis=1)
     if size is not None:

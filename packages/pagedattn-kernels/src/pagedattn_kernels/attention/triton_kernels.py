@@ -301,8 +301,7 @@ def _split_length(seq_len, num_splits, min_partition, TILE_N: tl.constexpr):
 _BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr", "v_scale_ptr"]
 
 
-@triton.jit(do_not_specialize=["partition_size", "order_ptr", "work_ptr", "merges_ptr",
-                               "counters_ptr", *_BATCH_ARGS])
+@triton.jit(do_not_specialize=["partition_size", "order_ptr", "work_ptr", *_BATCH_ARGS])
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -314,8 +313,6 @@ def decode_kernel(
     seq_lens_ptr,
     order_ptr,
     work_ptr,
-    merges_ptr,
-    counters_ptr,
     k_scale_ptr,
     v_scale_ptr,
     scale_log2,
@@ -353,9 +350,6 @@ def decode_kernel(
     ONE_LOOP: tl.constexpr = False,
     ORDERED: tl.constexpr = False,
     WORK: tl.constexpr = False,
-    MERGE_HERE: tl.constexpr = False,
-    GROUP_PAD: tl.constexpr = 1,
-    MERGE_PARTS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Flash-decoding, phase one. Grid: (num_kv_heads, num_splits, num_seqs): the sequence
@@ -382,13 +376,6 @@ def decode_kernel(
     row and writes the output, or, for a chunk of a split row, the partial output and
     log2-sum-exp at the item's partial row (``decode_merge_kernel`` merges them). Padding
     items (row -1) exit.
-    MERGE_HERE (with WORK): no merge kernel. The programs of a split row count themselves in
-    ``counters_ptr`` (one int32 per (merge, KV head), zero between calls) after storing their
-    partials, and the one that sees the row's last count merges them (``_merge_split_row``,
-    MERGE_PARTS partial rows at a time, in the partials' order whichever program finishes
-    last: the same result on every run) and zeroes the count again. At small batches the
-    merge kernel was a launch of its own for a few microseconds of work (H200, 16 sequences:
-    2.9 us a layer, 92 us of a 3.8-ms fp8 decode step).
     """
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
@@ -397,7 +384,7 @@ def decode_kernel(
     split = tl.program_id(1)
     seq = tl.program_id(2)
     if WORK:
-        item = work_ptr + split * 5  # plan.WORK_COLUMNS
+        item = work_ptr + split * 4
         seq = tl.load(item)
         if seq < 0:
             return
@@ -485,18 +472,6 @@ def decode_kernel(
             _store_partial(part_out_ptr, part_lse_ptr, partial, 0, heads, d, result, lse,
                            store_mask, g_mask, stride_po_seq, stride_po_head, stride_po_split,
                            stride_pl_seq, stride_pl_head)  # fmt: skip
-            if MERGE_HERE:
-                merge = merges_ptr + tl.load(item + 4) * 3  # plan.MERGE_COLUMNS
-                count = tl.load(merge + 2)
-                tl.debug_barrier()  # every thread's partial is stored before the count moves
-                counter = counters_ptr + tl.load(item + 4) * tl.num_programs(0) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel") == count - 1:
-                    _merge_split_row(out_ptr, part_out_ptr, part_lse_ptr, seq,
-                                     tl.load(merge + 1), count, kv_head, stride_o_seq,
-                                     stride_o_head, stride_po_seq, stride_po_head,
-                                     stride_pl_seq, stride_pl_head, QUERIES_PER_KV,
-                                     GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, MERGE_PARTS)  # fmt: skip
-                    tl.atomic_xchg(counter, 0)
         else:
             _store_output(out_ptr, seq, heads, d, result, store_mask, stride_o_seq, stride_o_head)
     elif SPLIT:
@@ -618,29 +593,16 @@ def decode_merge_kernel(
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
-    merge = merges_ptr + tl.program_id(0) * 3  # plan.MERGE_COLUMNS
+    merge = merges_ptr + tl.program_id(0) * 3
     seq = tl.load(merge)
     if seq < 0:
         return
-    _merge_split_row(out_ptr, part_out_ptr, part_lse_ptr, seq, tl.load(merge + 1),
-                     tl.load(merge + 2), tl.program_id(1), stride_o_seq, stride_o_head,
-                     stride_po_row, stride_po_head, stride_pl_row, stride_pl_head,
-                     QUERIES_PER_KV, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, PARTS_PAD)  # fmt: skip
-
-
-@triton.jit
-def _merge_split_row(out_ptr, part_out_ptr, part_lse_ptr, seq, first, count, kv_head,
-                     stride_o_seq, stride_o_head, stride_po_row, stride_po_head, stride_pl_row,
-                     stride_pl_head, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     PARTS_PAD: tl.constexpr):  # fmt: skip
-    """Row ``seq``'s output for the query heads of ``kv_head``: its ``count`` partial rows
-    from ``first`` merged, PARTS_PAD at a time, each weighted by exp2(lse - max lse). The
-    partials are read from L2 (".cg"): other programs, maybe on other SMs, wrote them."""
+    first = tl.load(merge + 1)
+    count = tl.load(merge + 2)
     # one flat axis of (partial row, head of the group) pairs, reshaped for the sums
     r = tl.arange(0, PARTS_PAD * GROUP_PAD)
     part = r // GROUP_PAD
-    head = kv_head * QUERIES_PER_KV + r % GROUP_PAD
+    head = tl.program_id(1) * QUERIES_PER_KV + r % GROUP_PAD
     in_group = r % GROUP_PAD < QUERIES_PER_KV
     d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = d < HEAD_DIM
@@ -651,7 +613,7 @@ def _merge_split_row(out_ptr, part_out_ptr, part_lse_ptr, seq, first, count, kv_
         valid = (p0 + part < count) & in_group
         row = (first + p0 + part).to(tl.int64)
         lse = tl.load(part_lse_ptr + row * stride_pl_row + head * stride_pl_head, mask=valid,
-                      other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+                      other=float("-inf"))  # fmt: skip
         # heads past the group: a finite score, so that their (unused) sums stay finite
         lse = tl.reshape(tl.where(in_group, lse, 0.0), [PARTS_PAD, GROUP_PAD])
         parts = tl.load(
@@ -659,7 +621,6 @@ def _merge_split_row(out_ptr, part_out_ptr, part_lse_ptr, seq, first, count, kv_
             + d[None, :],
             mask=valid[:, None] & d_mask[None, :],
             other=0.0,
-            cache_modifier=".cg",
         )  # fmt: skip
         parts = tl.reshape(parts, [PARTS_PAD, GROUP_PAD, HEAD_DIM_PAD])
         m_new = tl.maximum(m_run, tl.reduce(lse, 0, tl.standard._elementwise_max))
@@ -669,7 +630,7 @@ def _merge_split_row(out_ptr, part_out_ptr, part_lse_ptr, seq, first, count, kv_
         acc = acc * alpha[:, None] + tl.reduce(parts * w[:, :, None], 0, tl.standard._sum_combine)
         m_run = m_new
     g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * QUERIES_PER_KV + g
+    heads = tl.program_id(1) * QUERIES_PER_KV + g
     o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
     tl.store(o, (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
              mask=(g < QUERIES_PER_KV)[:, None] & d_mask[None, :])  # fmt: skip

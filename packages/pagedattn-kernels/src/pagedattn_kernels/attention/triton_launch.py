@@ -22,7 +22,6 @@ from pagedattn_kernels.common import (
     scale_or_unit,
     sm_count,
     use_pdl,
-    zeroed_counters,
 )
 
 KERNELS = "pagedattn_kernels.attention.triton_kernels"
@@ -39,13 +38,6 @@ MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 # (partial row, query head) pairs a program of ``decode_merge_kernel`` loads at once: 16
 # partial rows of a group of four heads (Llama-3's), 64 registers a thread in four warps
 MERGE_ROWS = 64
-#: The same for the merge inside ``decode_kernel`` (MERGE_HERE), whose programs may be a single
-#: warp: 8 (partial row, head) pairs of 128 floats are 32 registers a thread there.
-MERGE_ROWS_HERE = 8
-#: ``decode_kernel``'s MERGE_HERE for plans: the last program of a split row merges it (no
-#: merge kernel). ``PAGEDATTN_DECODE_MERGE_HERE=0`` (read at import) keeps the merge kernel,
-#: for A/B runs.
-MERGE_HERE = os.environ.get("PAGEDATTN_DECODE_MERGE_HERE", "1") != "0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,19 +347,18 @@ def _launch_decode(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, partition_size: int, stride_po_split: int,
-    order: torch.Tensor | None = None, work: torch.Tensor | None = None,
-    merges: torch.Tensor | None = None, counters: torch.Tensor | None = None, **modes: object,
+    order: torch.Tensor | None = None, work: torch.Tensor | None = None, **modes: bool,
 ) -> None:  # fmt: skip
     """One ``decode_kernel`` launch over ``grid``, the partial buffers' strides taken from
-    ``part_out`` / ``part_lse`` (rows, heads[, split]); ``modes``: its SPLIT / ORDERED / WORK /
-    MERGE_HERE flags (and the merge's tiles). The unused pointers get ``seq_lens``."""
+    ``part_out`` / ``part_lse`` (rows, heads[, split]); ``modes``: its SPLIT / ORDERED / WORK
+    flags. The unused pointers (``order``, ``work``) get ``seq_lens``."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
     pdl = use_pdl(query.device)
     kernels.decode_kernel[grid](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        *(seq_lens if t is None else t for t in (order, work, merges, counters)),
+        seq_lens if order is None else order, seq_lens if work is None else work,
         scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         scale * 1.4426950408889634, partition_size,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -404,10 +395,8 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     out: torch.Tensor, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """``paged_decode_attention`` by a plan: one decode program per (KV head, item), the last
-    of a split row's programs merging its partials (``decode_kernel``'s MERGE_HERE); or,
-    without counters (``MERGE_HERE`` off, or a CUDA graph captured before any counters
-    existed), one merge program per (split row, KV head) after them."""
+    """``paged_decode_attention`` by a plan: one decode program per (KV head, item), then one
+    merge program per (split row, KV head)."""
     if plan.tile_n != cfg.tile_n:
         raise ValueError(f"paged_decode_attention: the plan's chunks are in tiles of "
                          f"{plan.tile_n} tokens, the kernel's tiles {cfg.tile_n}: plan with "
@@ -421,16 +410,13 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
     part_out = work[: rows * head_dim].view(items, num_heads, head_dim)
     part_lse = work[rows * head_dim :].view(items, num_heads)
     pdl = use_pdl(query.device)
-    group = next_power_of_2(qpk)
-    counters = zeroed_counters(query.device, merges * num_kv_heads) if merges and MERGE_HERE else None
     _launch_decode(
         kernels, cfg, (num_kv_heads, items, 1), out, part_out, part_lse, query, key_cache,
         value_cache, block_tables, seq_lens, scale, k_scale, v_scale, cfg.tile_n, 0,
-        work=plan.work, merges=plan.merges, counters=counters, SPLIT=False, WORK=True,
-        MERGE_HERE=counters is not None, GROUP_PAD=group,
-        MERGE_PARTS=max(1, MERGE_ROWS_HERE // group),
+        work=plan.work, SPLIT=False, WORK=True,
     )  # fmt: skip
-    if merges and counters is None:
+    if merges:
+        group = next_power_of_2(qpk)
         kernels.decode_merge_kernel[(merges, num_kv_heads)](
             out, part_out, part_lse, plan.merges, out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),

@@ -19,7 +19,6 @@ from pagedattn_kernels.common import (
     next_power_of_2,
     sm_count,
     use_pdl,
-    zeroed_counters,
 )
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
@@ -140,6 +139,8 @@ MAX_BLOCK_M = 128
 _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
 
 @functools.lru_cache(maxsize=1024)  # called per matmul: the few shapes of a model, per row count
 def pick_config(m: int, n: int, k: int, sms: int, fast_accum: bool = False) -> Fp8MatmulConfig:
@@ -176,6 +177,20 @@ def pick_config(m: int, n: int, k: int, sms: int, fast_accum: bool = False) -> F
     if k >= 2 * n:
         return Fp8MatmulConfig(64, 256, 0, 4, 4, promote=promote)
     return Fp8MatmulConfig(64, 128, 1, 4, 8 if m <= 64 else 6, promote=promote)
+
+
+def _merge_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed int32 counts of ``fp8_matmul_kernel``'s MERGE_HERE, one per output tile,
+    kept per device (each kernel leaves them zero). None while a CUDA graph is being captured
+    and they are missing or too few: an allocation there would belong to the graph's pool.
+    One split matmul at a time per device: the engine's matmuls run on one stream."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = torch.zeros(max(4096, next_power_of_2(tiles)), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
 
 
 def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
@@ -235,7 +250,7 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     counters = None
     if split > 1 and cfg.merge_here:
-        counters = zeroed_counters(xq.device, grid_nm[0] * grid_nm[1])
+        counters = _merge_counters(xq.device, grid_nm[0] * grid_nm[1])
     pdl = use_pdl(xq.device)
     prefetch = prefetch_bytes() if pdl else 0
     kernels.fp8_matmul_kernel[(*grid_nm, split)](

@@ -65,14 +65,12 @@ class DecodeGraphs:
         self.planner = planner
         # per planned batch size: (items, merges) of its plan buffers, and the kernel tile
         self.plan_sizes: dict[int, tuple[int, int, int]] = {}
-        self.plan_widths = (0, 0)  # the columns of a plan's work and merges rows
         if planner is not None:
             for b in self.sizes:
                 if planner.pays(b):  # an all-padding plan has the graph's layout
                     empty = planner.plan([0] * b, padded=True)
                     self.plan_sizes[b] = (*empty.work.shape[:1], *empty.merges.shape[:1],
                                           empty.tile_n)  # fmt: skip
-                    self.plan_widths = (empty.work.shape[1], empty.merges.shape[1])
         self._alloc_inputs(self.sizes[-1], max_blocks_per_seq)
 
     def _alloc_inputs(self, top: int, width: int) -> None:
@@ -97,8 +95,7 @@ class DecodeGraphs:
         self._padding_rows = torch.arange(top, dtype=torch.int32)
         # decode plans: one static buffer of the largest capacity, each graph using its first
         # rows (work rows, then merge rows), and pinned stages in turn; all padding (-1) to start
-        wide, merge_wide = self.plan_widths
-        items = max((c[0] * wide + c[1] * merge_wide for c in self.plan_sizes.values()), default=0)
+        items = max((c[0] * 4 + c[1] * 3 for c in self.plan_sizes.values()), default=0)
         self.plan_buf = torch.full((items,), -1, dtype=torch.int32, device=dev)
         self._plan_stages = [torch.full((items,), -1, dtype=torch.int32, pin_memory=pin)
                              for _ in range(2)]  # fmt: skip
@@ -125,10 +122,8 @@ class DecodeGraphs:
             return None
         items, merges, tile_n = self.plan_sizes[b]
         buf = self.plan_buf if buf is None else buf
-        wide, merge_wide = self.plan_widths
-        end = items * wide
-        return DecodePlan(buf[:end].view(items, wide),
-                          buf[end : end + merges * merge_wide].view(merges, merge_wide), tile_n)
+        work = buf[: items * 4].view(items, 4)
+        return DecodePlan(work, buf[items * 4 : items * 4 + merges * 3].view(merges, 3), tile_n)
 
     def _stage_plan(self, b: int, positions: torch.Tensor, turn: int) -> None:
         """Plan this step's rows (contexts: position + 1; padding rows 0) into the pinned stage
