@@ -42,6 +42,8 @@ from pagedattn_kernels.fused import triton_kernels as fused_kernels
 from pagedattn_kernels.fused import triton_launch as fused
 from pagedattn_kernels.quant import triton_kernels as quant_kernels
 from pagedattn_kernels.quant import triton_launch as quant
+from pagedattn_kernels.sampling import triton_kernels as sampling_kernels
+from pagedattn_kernels.sampling import triton_launch as sampling
 
 FUSED_KERNELS = ("rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel", "rotary_and_cache_kernel")
 # SASS opcodes (with their width suffix where it matters) that --sass counts.
@@ -186,6 +188,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="only the fp8 kernels: attention on fp8 caches (Llama-3-8B heads), "
                          "the e4m3 writers and the fp8 matmul")  # fmt: skip
+    ap.add_argument("--sampling", action="store_true",
+                    help="only the sampling kernels (argmax_rows at Llama-3's vocabulary)")
     ap.add_argument("--sass", action="store_true", help="count SASS instructions (SASS_OPS)")
     args = ap.parse_args()
     global WANT_SASS
@@ -206,14 +210,20 @@ def main() -> None:
                                          "quantize_fp8_tiles_kernel", "fp8_matmul_kernel",
                                          "fp8_matmul_reduce_kernel"))  # fmt: skip
     quant.kernels_for = lambda device, module: quant_proxy
+    sampling_proxy = _proxy(sampling_kernels, ("argmax_chunks_kernel", "argmax_merge_kernel"))
+    sampling.kernels_for = lambda device, module: sampling_proxy
     # The stub's tensors live on the CPU, where the launchers would pick the interpreter's
     # e4m3 encoder: compile the sm_90 one (the hardware conversion).
     for launcher in (cache, fused, quant):
         launcher.e4m3_encoder = lambda kernel, device: 2
     # ... and with programmatic dependent launch, as on an sm_90 GPU (common.use_pdl).
-    for launcher in (attention, cache, fused, quant):
+    for launcher in (attention, cache, fused, quant, sampling):
         launcher.use_pdl = lambda device: True
 
+    if args.sampling:
+        _sampling_variants(args.quick)
+        _report()
+        return
     if args.fp8:
         _fp8_variants()
         _report()
@@ -257,7 +267,21 @@ def main() -> None:
                       torch.zeros(3, 2, dtype=torch.int64))  # fmt: skip
     if args.head_dim is None:
         _fused_variants(args.quick)
+        _sampling_variants(args.quick)
     _report()
+
+
+def _sampling_variants(quick: bool) -> None:
+    """``argmax_rows`` over Llama-3's 128,256 columns at the chunk widths ``pick_chunk``
+    gives an H200 (1,024 to 16,384; with the merge kernel of their chunk counts), and one chunk
+    a row (a narrow vocabulary: no merge)."""
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
+    for dtype in dtypes:
+        for rows in [1, 16, 64] if quick else [1, 8, 16, 32, 64]:
+            chunk = sampling.pick_chunk(rows, 128256, 132)
+            sampling.argmax_rows(torch.empty(rows, 128256, dtype=dtype),
+                                 torch.empty(rows, dtype=torch.int64), chunk=chunk)  # fmt: skip
+        sampling.argmax_rows(torch.empty(4, 1000, dtype=dtype), torch.empty(4, dtype=torch.int64))
 
 
 def _planned(q, kc, bt, lens, config=None, **scales) -> None:
