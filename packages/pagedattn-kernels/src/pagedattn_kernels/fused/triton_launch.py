@@ -230,7 +230,9 @@ def _rotary_grid(kernel: object, device: torch.device, num_tokens: int, num_head
     ``ROTARY_SPLIT_PER_SM`` programs per SM: Llama-3-8B with the cache write, 4 programs of 8
     query heads and 2 of 4 key heads a token, split up to 88 tokens on 132 SMs (offline sm_90
     compile: 51 registers a thread, 53 for an fp8 cache, against 89 unsplit). Larger batches
-    fill the GPU a program per token. Not yet measured on a GPU. ``split`` True / False
+    fill the GPU a program per token. On an H200 (fp8 cache, PDL off, a3968e0's profile) the
+    kernel took 103.9 / 109.2 us of a decode step at 16 / 64 sequences against 148.3 / 154.3
+    a program per token (2d09a7d). ``split`` True / False
     forces either (tests: the interpreter never splits by itself); a split that leaves one
     program per token is none."""
     q_group, k_group = groups or rotary_head_groups(num_heads, num_kv_heads, half_pad, cache)

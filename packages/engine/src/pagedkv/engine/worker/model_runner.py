@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
-from pagedattn_kernels import copy_blocks, swap_blocks
+from pagedattn_kernels import argmax_rows, copy_blocks, swap_blocks
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig, kv_cache_dtype
 from pagedkv.engine.model_loader import load_model
@@ -48,6 +49,9 @@ from pagedkv.engine.worker.staging import to_device
 logger = logging.getLogger(__name__)
 
 _GB = 1 << 30
+#: Greedy tokens by `pagedattn_kernels.argmax_rows` (else torch's argmax);
+#: ``PAGEDKV_ARGMAX_KERNEL=0`` for A/B runs.
+ARGMAX_KERNEL = os.environ.get("PAGEDKV_ARGMAX_KERNEL", "1") != "0"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -499,9 +503,12 @@ class ModelRunner:
         """The argmax token id (int64, on the device) of each row of `hidden`, over the logits
         in the model dtype: float32 would give the same ids (an exact, order-keeping
         conversion) at the cost of a kernel that reads the logits and writes them twice as
-        wide. A tensor-parallel rank overrides this to reduce its vocabulary slice with the
-        others'."""
-        return self.model.compute_logits(hidden, float32=False).argmax(dim=-1)
+        wide. `pagedattn_kernels.argmax_rows` is torch's argmax (ties, NaN) in a kernel that
+        spreads a row over many programs on a GPU, where torch's reduction is latency-bound
+        at decode batch sizes (`ARGMAX_KERNEL`). A tensor-parallel rank overrides this to
+        reduce its vocabulary slice with the others'."""
+        logits = self.model.compute_logits(hidden, float32=False)
+        return argmax_rows(logits) if ARGMAX_KERNEL else logits.argmax(dim=-1)
 
     def apply_block_ops(
         self,
