@@ -60,8 +60,8 @@ def argmax_chunks_kernel(
     PDL: tl.constexpr = False,
 ):
     """Grid: (rows, chunks). ``bits_ptr``: the logits viewed as integers of their width (int16
-    for bfloat16 and float16, int32 for float32). Columns past the row's end read as -inf,
-    which can tie only with later columns than the chunk's own first one. DIRECT (one chunk a
+    for bfloat16 and float16, int32 for float32). Columns past the row's end get a key below
+    every value's. DIRECT (one chunk a
     row): ``out[row]`` = the column; else ``part[row, chunk]`` = the packed (key, column).
     ``cols`` and the strides are specialized on (a model's constants): a row stride that is a
     multiple of 16 lets the loads vectorize."""
@@ -71,8 +71,13 @@ def argmax_chunks_kernel(
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     c = j * CHUNK + tl.arange(0, CHUNK)
-    b = tl.load(bits_ptr + row * stride_x + c, mask=c < cols, other=SIGN + INF_BITS)
-    key = _key(b.to(tl.int32), SIGN, INF_BITS)
+    in_row = c < cols
+    b = tl.load(bits_ptr + row * stride_x + c, mask=in_row, other=0)
+    # Columns past the row: a key below -inf's (-INF_BITS), set on the key rather than through
+    # the load's `other`: on an H200 (Triton 3.6) an int16 load's negative `other` (the bits of
+    # -inf) came out as a key above every value, and rows of 16-bit logits gave a column past
+    # their end.
+    key = tl.where(in_row, _key(b.to(tl.int32), SIGN, INF_BITS), -INF_BITS - 1)
     best = tl.reduce(key, 0, tl.standard._elementwise_max)
     first = tl.reduce(tl.where(key == best, c, 2147483647), 0, tl.standard._elementwise_min)
     if DIRECT:
