@@ -25,7 +25,6 @@ from hypothesis.extra.numpy import arrays
 
 import pagedattn_kernels as pk
 from pagedattn_kernels import reference
-from pagedattn_kernels.common import sm_count
 from pagedattn_kernels.sampling import triton_launch
 from pagedattn_kernels.testing import rejected_unchanged
 
@@ -167,8 +166,7 @@ def test_crafted_rows(target, dtype, chunk):
         chunk = {16: 1024, 64: 16384}[chunk]
     cols = VOCAB if target.full else 300
     # the decisive values on either side of a boundary of the chunks the call will use
-    boundary = chunk or (triton_launch.pick_chunk(15, cols, sm_count(torch.device("cuda")))
-                         if target.full else 64)  # fmt: skip
+    boundary = chunk or (triton_launch.pick_chunk(cols) if target.full else 64)
     x, want = _crafted(dtype, cols, boundary)
     x = x.to(target.device)
     if chunk is None:
@@ -255,12 +253,11 @@ def test_any_bits_in_the_interpreter(x):
 
 
 def test_pick_chunk():
-    """About four programs an SM, 1,024 to 16,384 columns each, at most the row."""
+    """8,192 columns a program whatever the row count (the kernels' variants follow the
+    vocabulary alone), at most the row rounded up to a power of two."""
     pick = triton_launch.pick_chunk
-    assert [pick(r, VOCAB, 132) for r in (1, 4, 16, 32, 64, 1024)] == [
-        1024, 1024, 4096, 8192, 16384, 16384]  # fmt: skip
-    assert pick(1, 1000, 132) == 1024 and pick(64, 7, 132) == 8 and pick(3, 1, 132) == 1
-    assert -(-VOCAB // pick(1, VOCAB, 132)) == 126
+    assert pick(VOCAB) == 8192 and -(-VOCAB // pick(VOCAB)) == 16
+    assert pick(1000) == 1024 and pick(7) == 8 and pick(1) == 1 and pick(8192) == 8192
 
 
 # --------------------------------------------------------------------------- bad calls

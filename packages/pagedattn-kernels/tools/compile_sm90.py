@@ -272,15 +272,13 @@ def main() -> None:
 
 
 def _sampling_variants(quick: bool) -> None:
-    """``argmax_rows`` over Llama-3's 128,256 columns at the chunk widths ``pick_chunk``
-    gives an H200 (1,024 to 16,384; with the merge kernel of their chunk counts), and one chunk
-    a row (a narrow vocabulary: no merge)."""
+    """``argmax_rows`` over Llama-3's 128,256 columns (``pick_chunk``'s 8,192 columns a
+    program, and the merge of 16 chunks), and one chunk a row (a narrow vocabulary: no
+    merge)."""
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
     for dtype in dtypes:
-        for rows in [1, 16, 64] if quick else [1, 8, 16, 32, 64]:
-            chunk = sampling.pick_chunk(rows, 128256, 132)
-            sampling.argmax_rows(torch.empty(rows, 128256, dtype=dtype),
-                                 torch.empty(rows, dtype=torch.int64), chunk=chunk)  # fmt: skip
+        sampling.argmax_rows(torch.empty(16, 128256, dtype=dtype),
+                             torch.empty(16, dtype=torch.int64))  # fmt: skip
         sampling.argmax_rows(torch.empty(4, 1000, dtype=dtype), torch.empty(4, dtype=torch.int64))
 
 

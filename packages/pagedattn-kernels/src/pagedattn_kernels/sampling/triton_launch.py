@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import kernels_for, next_power_of_2, sm_count, use_pdl
+from pagedattn_kernels.common import kernels_for, next_power_of_2, use_pdl
 
 KERNELS = "pagedattn_kernels.sampling.triton_kernels"
 
-#: Chunk widths (columns a program takes): from 1,024 (a 16-bit row's 2 KB, one 16-byte
-#: load per thread of 4 warps) to 16,384 (32 KB: 32 values a thread of 16 warps, all loaded
-#: before any is compared).
-MIN_CHUNK = 1024
-MAX_CHUNK = 16384
-#: Programs aimed at per SM: several of them resident on each, their loads all in flight.
-PROGRAMS_PER_SM = 4
+#: Columns a program takes (``pick_chunk``): 8,192, a 16-bit row's 16 KB, 16 values a thread
+#: of 16 warps, all loaded before any is compared.
+CHUNK = 8192
 #: The most chunks a row may have: CUDA's limit on the grid's second dimension.
 MAX_GRID_Y = 65535
 
@@ -30,16 +26,16 @@ _BITS = {
 }
 
 
-def pick_chunk(rows: int, cols: int, sms: int) -> int:
-    """Columns per program: the power of two that makes about ``PROGRAMS_PER_SM * sms``
-    programs of ``rows * cols`` values, within ``MIN_CHUNK .. MAX_CHUNK`` and at most the row
-    (rounded up to a power of two). Why: torch's reduction gives a row few programs, so at
-    decode batch sizes it waits on memory latency with most of the GPU idle (an H200: ~27 us
-    for 1 to 128 rows of 128,256). On 132 SMs and 128,256 columns: 1,024 columns (126 chunks
-    a row) for one row, 4,096 for 16 rows, 16,384 (8 chunks) from 64 rows on, where there are
-    enough rows to fill the SMs. A narrower vocabulary may fit one chunk: then one kernel."""
-    want = next_power_of_2(-(-rows * cols // (PROGRAMS_PER_SM * sms)))
-    return min(max(want, MIN_CHUNK), MAX_CHUNK, next_power_of_2(cols))
+def pick_chunk(cols: int) -> int:
+    """Columns per program: ``CHUNK`` (8,192: 16 programs a row of Llama-3's 128,256), or the
+    whole row rounded up to a power of two when shorter. Why: torch's reduction gives a row
+    few programs, so at decode batch sizes it waits on memory latency with most of the GPU
+    idle (an H200: ~27 us for 1 to 128 rows of 128,256). One width for every row count: the
+    kernels' variants then follow the vocabulary alone, so a serving engine compiles them once
+    at start-up (``argmax_rows`` of one row) and never while it serves; a width per row count
+    (1,024 columns for one row, up to 16,384 from 64) compiled three more variants of each
+    kernel inside a timed H200 run (1838c18), for a few microseconds at most."""
+    return min(CHUNK, next_power_of_2(cols))
 
 
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
@@ -51,7 +47,7 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor, chunk: int | None = Non
         return out
     kernels = kernels_for(logits.device, KERNELS)
     if chunk is None:
-        chunk = pick_chunk(rows, cols, sm_count(logits.device))
+        chunk = pick_chunk(cols)
     elif chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two from 16, got {chunk}")
     if -(-cols // chunk) > MAX_GRID_Y:  # rows of over a billion values: wider chunks

@@ -238,6 +238,10 @@ class ModelRunner:
                                              device=device, dtype=self.dtype)
             self.piecewise.capture()
         self.piecewise_replays = 0
+        if device.type == "cuda":  # compile the greedy argmax now, not in the first step
+            with torch.inference_mode():
+                self.greedy_tokens(torch.zeros(1, self.config.hidden_size, dtype=self.dtype,
+                                               device=device))  # fmt: skip
         # Asynchronous scheduling: the argmax of the step launched last, on the device, and
         # the row of each sampling sequence in it; two host buffers for the ids, used in turn.
         self._last_tokens: torch.Tensor | None = None
