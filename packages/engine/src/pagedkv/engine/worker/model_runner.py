@@ -238,7 +238,9 @@ class ModelRunner:
                                              device=device, dtype=self.dtype)
             self.piecewise.capture()
         self.piecewise_replays = 0
-        if device.type == "cuda":  # compile the greedy argmax now, not in the first step
+        if device.type == "cuda" and args.tensor_parallel_size == 1:
+            # compile the greedy argmax now, not in the first step (tensor-parallel ranks
+            # reduce their vocabulary slices another way: RankRunner.greedy_tokens)
             with torch.inference_mode():
                 self.greedy_tokens(torch.zeros(1, self.config.hidden_size, dtype=self.dtype,
                                                device=device))  # fmt: skip
