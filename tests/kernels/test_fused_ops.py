@@ -487,25 +487,13 @@ def test_rotary_embedding_and_cache(target, seed, case):
     fused projection output, as in the model."""
     tokens, heads, kv_heads, head_dim, dtype, cache_dtype, block_size = case
     tokens = 500 + tokens if target.full else tokens
-    gen = target.generator(seed)
-    dev = target.device
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device=dev)
-    qkv = qkv.to(dtype)
-    positions = torch.randint(0, 1 << 14, (tokens,), generator=gen, device=dev)
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim)
-    num_blocks = -(-tokens // block_size) + 2
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    caches = [torch.randn(shape, generator=gen, device=dev).to(cache_dtype) for _ in range(2)]
-    slots = torch.randperm(num_blocks * block_size, generator=gen, device=dev)[:tokens]
-    slots[torch.rand(tokens, generator=gen, device=dev) < 0.2] = -1
-    scales = {}
-    if cache_dtype == torch.float8_e4m3fn:
-        scales = {"k_scale": torch.tensor([0.05], device=dev), "v_scale": torch.tensor([0.8], device=dev)}
+    qkv, positions, inv_freq, caches, slots, scales = _rope_cache_inputs(
+        target.generator(seed), target.device, tokens, heads, kv_heads, head_dim, dtype,
+        cache_dtype, block_size,
+    )  # fmt: skip
 
     def split(t):
-        q = t[:, : heads * head_dim].view(tokens, heads, head_dim)
-        k = t[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-        return q, k, t[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+        return _qkv_views(t, heads, kv_heads, head_dim)
 
     fused, fused_caches = qkv.clone(), [c.clone() for c in caches]
     pk.rotary_embedding_and_cache(positions, *split(fused), inv_freq, *fused_caches, slots,
@@ -532,7 +520,8 @@ def test_rotary_embedding_and_cache(target, seed, case):
     reference.reshape_and_cache(split(fused)[1], v0, *ref_caches, slots, **scales)
     for got, want in zip(fused_caches, ref_caches):
         assert torch.equal(got.double(), want.double()), f"seed={seed}"
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=dev)
+    written = torch.zeros(caches[0].shape[0] * block_size, dtype=torch.bool,
+                          device=target.device)  # fmt: skip
     written[slots[slots >= 0]] = True
     for got, orig in zip(fused_caches, caches):
         kept = _cache_bits(got).flatten(0, 1)[~written], _cache_bits(orig).flatten(0, 1)[~written]
@@ -603,18 +592,22 @@ def _split_id(case) -> str:
 
 
 def _split_inputs(dev, seed, tokens, case):
-    """A fused QKV output (Q, K, V views), positions, inv_freq, two random caches and slots
-    with some -1 (or no caches: no key, or ``cache_dtype`` None)."""
+    """``_rope_cache_inputs`` for a case of the split tests."""
     heads, kv_heads, head_dim, dtype, cache_dtype, _ = case
     gen = torch.Generator(device=dev).manual_seed(seed)
-    kvh = kv_heads or 0
+    return _rope_cache_inputs(gen, dev, tokens, heads, kv_heads or 0, head_dim, dtype,
+                              cache_dtype)  # fmt: skip
+
+
+def _rope_cache_inputs(gen, dev, tokens, heads, kvh, head_dim, dtype, cache_dtype, block_size=16):
+    """A fused QKV output (``_qkv_views`` cuts Q, K, V out of it), positions, inv_freq, two
+    random caches and slots with some -1 (no caches with ``cache_dtype`` None)."""
     qkv = torch.randn(tokens, (heads + 2 * kvh) * head_dim, generator=gen, device=dev)
     qkv = qkv.to(dtype)
     positions = torch.randint(0, 1 << 15, (tokens,), generator=gen, device=dev)
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim)
     if cache_dtype is None:
         return qkv, positions, inv_freq, None, None, {}
-    block_size = 16
     num_blocks = -(-tokens // block_size) + 2
     shape = (num_blocks, block_size, kvh, head_dim)
     caches = [torch.randn(shape, generator=gen, device=dev).to(cache_dtype) for _ in range(2)]
