@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_env.sh || exit 1
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"; mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_decode_plan.py tests/kernels/test_fp8_matmul.py tests/kernels/test_fused_ops.py tests/kernels/test_argmax.py tests/kernels/test_silu_fp8_barrier.py"}
+GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_decode_plan.py tests/kernels/test_fp8_matmul.py tests/kernels/test_fused_ops.py tests/kernels/test_argmax_rows.py"}
 tests=(); for t in $GPU_TESTS; do [[ -e $t ]] && tests+=("$t"); done
 echo "=== gpu tests: ${tests[*]}"
 timeout ${TEST_TIMEOUT:-240} "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs -x "${tests[@]}" > "$OUT/gpu_tests.log" 2>&1

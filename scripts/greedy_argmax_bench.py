@@ -1,8 +1,8 @@
 """What the greedy token costs after the LM head: the argmax of float32 logits (the cast, then
-the reduction: the engine until 2d09a7d) against the argmax of the model-dtype logits
-(``ModelRunner.greedy_tokens`` now) and ``pagedattn_kernels.argmax_rows`` (the Triton kernels:
-each row split over many programs), at decode batch sizes over Llama-3's 128,256-token
-vocabulary, replayed from CUDA graphs; with the LM head's own product for scale.
+the reduction: the engine until 2d09a7d) against torch's argmax of the model-dtype logits and
+``pagedattn_kernels.argmax_rows`` (the Triton kernels, each row split over many programs: what
+``ModelRunner.greedy_tokens`` takes on a GPU now), at decode batch sizes over Llama-3's
+128,256-token vocabulary, replayed from CUDA graphs; with the LM head's own product for scale.
 
     python scripts/greedy_argmax_bench.py [--rows 1 16 64 ...] [--chunks 2048 8192 ...]
         [--output-json OUT.json]   # GPU

@@ -33,10 +33,9 @@ def argmax_rows(
     and torch's reduction is latency-bound at decode batch sizes: on an H200 about 27 us for
     1-128 rows, 142 us at 1,024, where reading the logits takes 1-55 us. The Triton path
     splits each row over many programs (``triton_launch.pick_chunk``) and merges their
-    results in a second small kernel, deterministically (no atomics): on an H200 3.5 / 8.5 /
-    13.9 / 49 / 93 us at 16 / 64 / 128 / 512 / 1,024 rows against torch's 26.9 / 27.2 / 27.2 /
-    79 / 142 (``scripts/greedy_argmax_bench.py``, 01d9676, with row-count-dependent chunks
-    then)."""
+    results in a second small kernel, deterministically (no atomics): on an H200 3.8 / 8.9 /
+    15.0 / 53 / 103 us at 16 / 64 / 128 / 512 / 1,024 rows against torch's 26.9 / 27.1 / 27.2 /
+    79 / 142 (``scripts/greedy_argmax_bench.py``, 63a4a83)."""
     check_argmax_rows(logits, out)
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
