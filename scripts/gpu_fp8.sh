@@ -63,6 +63,9 @@
 #     (sequence, KV head) pairs) and without them (PAGEDATTN_FP8_ONE_WARP_PAIRS=1000000000),
 #     interleaved twice: each round's ratio and the decode bands (the tiles' share of the run)
 #                                                  -> ..._fp8_onewarp{1,0}_r{1,2}.json
+#   ENV_AB="base: x:VAR=1" bash scripts/gpu_fp8.sh envab   # ~2 min a run, carrying .gpu_data
+#     fp8 runs under each setting of ENV_AB (NAME:VAR=VALUE[,...]), ENV_AB_ROUNDS (2) rounds
+#     interleaved: output tok/s and the decode bands of each
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
@@ -337,6 +340,34 @@ for r in (1, 2):
     print(f"round {r}: one warp {on['output_tok_s']:,.0f} / without {off['output_tok_s']:,.0f} "
           f"output tok/s = {on['output_tok_s'] / off['output_tok_s']:.3f}x; decode bands (s) "
           + ", ".join(f"{b}: {a:.2f} / {c:.2f}" for b, (a, c) in bands.items()))
+PY
+      ;;
+    envab)
+      # fp8 runs under each of ENV_AB's settings in turn, ENV_AB_ROUNDS (2) rounds interleaved:
+      # settings separated by spaces, each NAME:VAR=VALUE[,VAR=VALUE...] (NAME: alone: the
+      # defaults), e.g. "base: onewarp:PAGEDATTN_FP8_ONE_WARP_PAIRS=1"; then each run's
+      # figures and its decode bands
+      keep_out=$OUT; OUT=/tmp/pagedkv-envab; mkdir -p "$OUT"
+      for round in $(seq 1 "${ENV_AB_ROUNDS:-2}"); do
+        for setting in ${ENV_AB:?ENV_AB: settings to compare}; do
+          label=${setting%%:*}; vars=${setting#*:}
+          (IFS=,; for kv in $vars; do [[ -n $kv ]] && export "${kv?}"; done
+           throughput "_fp8_${label}_r$round" --kv-cache-dtype fp8 --quantization fp8 \
+             | grep -E "^\{'output")
+          cp "$OUT/throughput_${name}_fp8_${label}_r$round.json" "$keep_out"/ 2>/dev/null
+        done
+      done
+      OUT=$keep_out
+      "$PYTHON" - "$OUT" "$name" <<'PY'
+import glob, json, re, sys
+out, name = sys.argv[1], sys.argv[2]
+for path in sorted(glob.glob(f"{out}/throughput_{name}_fp8_*_r*.json")):
+    d = json.load(open(path))
+    label = re.search(r"_fp8_(\w+)\.json$", path)[1]
+    bands = ", ".join(f"{b}: {v['gpu_ms_mean']:.2f} ms {v['seconds']:.2f} s"
+                      for b, v in d.get("decode_host_gap_by_batch", {}).items())
+    print(f"{label}: {d['output_tok_s']:,.0f} output tok/s, {d['seconds']:.2f} s, prefill "
+          f"{d.get('mixed_seconds') or 0:.2f} s; {bands}")
 PY
       ;;
     splits)
