@@ -158,8 +158,7 @@ def plan_decode(
     attends, longest first (``attention.plan``). Host tensors: move them to ``device`` (or
     copy them into a CUDA graph's static ones) before the call. ``padded``: sized to
     :func:`decode_plan_capacity`, as a CUDA graph's buffers are. ``min_chunk``: the fewest
-    tokens of a split row's chunk (None: the kernel configuration's ``min_chunk``, else
-    ``plan.MIN_CHUNK``)."""
+    tokens of a split row's chunk (``plan.MIN_CHUNK``)."""
     from pagedattn_kernels.attention import triton_launch  # it imports this module
 
     op = "plan_decode"
@@ -173,7 +172,7 @@ def plan_decode(
         return build_plan(
             seq_lens, lanes, cfg.tile_n,
             size=capacity(num_seqs, lanes) if padded else None,
-            min_chunk=(cfg.min_chunk or MIN_CHUNK) if min_chunk is None else min_chunk,
+            min_chunk=MIN_CHUNK if min_chunk is None else min_chunk,
         )  # fmt: skip
     except ValueError as exc:
         raise fail(op, str(exc).removeprefix("build_plan: ")) from None

@@ -55,8 +55,7 @@ class DecodeConfig:
     words are loaded into registers, probably outside the compiler's software pipeline.
     ``one_loop``: the ragged last tile inside the pipelined loop, every tile masked
     (``decode_kernel``'s ONE_LOOP), rather than unmasked whole tiles and the ragged one after
-    the loop. ``min_chunk``: the fewest tokens a decode plan gives one program of a split row
-    (``plan.build_plan``'s ``min_chunk``; None: ``plan.MIN_CHUNK``)."""
+    the loop."""
 
     tile_n: int
     num_warps: int
@@ -66,7 +65,6 @@ class DecodeConfig:
     f16_products: bool = True
     packed_loads: bool = False
     one_loop: bool = False
-    min_chunk: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +95,7 @@ FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: (read at import) moves the threshold, for A/B runs of a whole benchmark (a huge value:
 #: never one warp).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
-#: ``PAGEDATTN_FP8_ONE_WARP_MIN_CHUNK`` (read at import): the one-warp tiles' ``min_chunk``
-#: in decode plans, for A/B runs (unset: ``plan.MIN_CHUNK``).
-_ONE_WARP_MIN_CHUNK = os.environ.get("PAGEDATTN_FP8_ONE_WARP_MIN_CHUNK")
-FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8,
-                            min_chunk=int(_ONE_WARP_MIN_CHUNK) if _ONE_WARP_MIN_CHUNK else None)
+FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
 
 
 def decode_config(
