@@ -173,7 +173,16 @@ SWAP_PICK = [C(64, 256, 1, 4, s, promote=False) for s in (4, 6, 8)] + [
     C(64, 128, 1, 4, 8, promote=False), C(64, 128, 1, 4, 12, promote=False),
     C(64, 256, 0, 4, 4, promote=False), C(64, 256, 2, 4, 6, promote=False),
     C(128, 128, 1, 4, 3, promote=False), C(128, 128, 1, 4, 4, promote=False)]  # fmt: skip
-SWAP_SETS = {"broad": SWAP_CONFIGS, "refine": SWAP_REFINE, "pick": SWAP_PICK}
+# --swap-set narrow: 32 weight rows a tile (mma.sync, as wgmma's tiles are 64 rows at least),
+# so that Q/K/V (6,144 rows), O and down (4,096) make 192 / 128 programs for the 132 SMs of an
+# H200 instead of 96 / 64 (ncu at 16 rows, gpu_runs/2026-12-03b: 53% / 42% / 63% of the DRAM
+# bandwidth for them, 75% for gate/up's 448 programs); against the pick's 64-row tiles
+SWAP_NARROW = [C(32, 256, 1, 4, s, promote=False) for s in (4, 6, 8)] + [
+    C(32, 128, 1, 4, 8, promote=False), C(32, 256, 1, 2, 6, promote=False),
+    C(32, 512, 1, 4, 4, promote=False), C(64, 256, 1, 4, 6, promote=False),
+    C(64, 256, 1, 4, 8, promote=False)]  # fmt: skip
+SWAP_SETS = {"broad": SWAP_CONFIGS, "refine": SWAP_REFINE, "pick": SWAP_PICK,
+             "narrow": SWAP_NARROW}  # fmt: skip
 
 
 def block_m_for(m: int, kind: str) -> int:
@@ -313,7 +322,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     ap.add_argument("--swap-set", choices=tuple(SWAP_SETS), default="broad",
-                    help="the swap_fp8 configs: SWAP_CONFIGS, SWAP_REFINE or SWAP_PICK")
+                    help="the swap_fp8 configs: SWAP_CONFIGS, SWAP_REFINE, SWAP_PICK or "
+                    "SWAP_NARROW")
     ap.add_argument("--only", default="", help="comma-separated variants to time (default: "
                     "all of bf16, fp8_linear, fp8_prequant, swap_pick, swap_fp8, wo_fp8)")
     run = start(ap, check, budget_s=150.0)
