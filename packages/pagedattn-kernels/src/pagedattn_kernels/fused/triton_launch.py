@@ -154,9 +154,11 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         return
     kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
     interpreted = is_interpreted(kernel)
+    # the A/B knob's program per row (SILU_FP8_ROW_MIN_ROWS)
+    row_knob = fp8_out is not None and not interpreted and 0 < SILU_FP8_ROW_MIN_ROWS <= num_rows
     if fp8_out is not None:
         if tiled is None:
-            tiled = not interpreted and not (0 < SILU_FP8_ROW_MIN_ROWS <= num_rows)
+            tiled = not interpreted and not row_knob
         if tiled:
             _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out)
             return
@@ -176,7 +178,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         rows = max(1, 1024 // block)
     q, scale = fp8_out if fp8_out is not None else (out2, out2)
     regs = {}
-    if fp8_out is not None and not interpreted and 0 < SILU_FP8_ROW_MIN_ROWS <= num_rows:
+    if row_knob and not tiled:
         num_warps = SILU_FP8_ROW_WARPS
         if SILU_FP8_ROW_MAXNREG:
             regs = {"maxnreg": SILU_FP8_ROW_MAXNREG}
