@@ -12,6 +12,9 @@ other warp counts and register caps (``maxnreg``: two programs per SM at 64), an
 every variant writes what the tiled pair writes. Bandwidth: the minimal bytes (the 16-bit gate
 and up rows read, the e4m3 rows and scales written) over the copy bandwidth.
 
+On an H200 (7231965, ``docs/performance/gpu_runs/2026-12-03c/``) the best per-row variant (32
+warps) was 1-3% faster than the tiled pair, the others slower: the tiled pair stays.
+
     python scripts/silu_fp8_rows.py --output-json OUT.json     # on a GPU
 """
 

@@ -11,7 +11,6 @@ rounds twice.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -43,17 +42,6 @@ _INTERPRETER_TILE = 1 << 16
 ROTARY_SPLIT_PAIRS = 512
 #: ... and the split is taken while the split grid has at most this many programs per SM.
 ROTARY_SPLIT_PER_SM = 4
-
-
-#: SiLU-and-multiply to fp8 (``silu_and_mul``): from ``PAGEDATTN_SILU_FP8_ROW_MIN_ROWS`` rows on
-#: (read at import; 0, the default: never) a compiled launch takes a program per row instead
-#: of the tiled pair, with ``PAGEDATTN_SILU_FP8_ROW_CONFIG`` warps and register cap ("16/64":
-#: 16 warps, at most 64 registers a thread; "16": no cap). For A/B runs of prefill sizes
-#: (``scripts/silu_fp8_rows.py``).
-SILU_FP8_ROW_MIN_ROWS = int(os.environ.get("PAGEDATTN_SILU_FP8_ROW_MIN_ROWS", "0"))
-_ROW_CONFIG = [int(v) for v in os.environ.get("PAGEDATTN_SILU_FP8_ROW_CONFIG", "16").split("/")]
-SILU_FP8_ROW_WARPS = _ROW_CONFIG[0]
-SILU_FP8_ROW_MAXNREG = _ROW_CONFIG[1] if len(_ROW_CONFIG) > 1 else None
 
 
 def _round_mode(dtype: torch.dtype, interpreted: bool) -> int:
@@ -154,11 +142,9 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         return
     kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
     interpreted = is_interpreted(kernel)
-    # the A/B knob's program per row (SILU_FP8_ROW_MIN_ROWS)
-    row_knob = fp8_out is not None and not interpreted and 0 < SILU_FP8_ROW_MIN_ROWS <= num_rows
     if fp8_out is not None:
         if tiled is None:
-            tiled = not interpreted and not row_knob
+            tiled = not interpreted
         if tiled:
             _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out)
             return
@@ -177,18 +163,13 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         block = min(1024, next_power_of_2(inter))
         rows = max(1, 1024 // block)
     q, scale = fp8_out if fp8_out is not None else (out2, out2)
-    regs = {}
-    if row_knob and not tiled:
-        num_warps = SILU_FP8_ROW_WARPS
-        if SILU_FP8_ROW_MAXNREG:
-            regs = {"maxnreg": SILU_FP8_ROW_MAXNREG}
     grid = (-(-num_rows // rows), -(-inter // block))
     pdl = use_pdl(x.device)
     kernel[grid](
         out2, x, num_rows, x.stride(0), out2.stride(0), q, scale, q.stride(0), MIN_SCALE, out2, 1,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
         LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), AMAX=False,
-        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False, **regs,
+        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
 
 
