@@ -11,7 +11,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" || exit 1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-  git rev-parse --short HEAD 2>/dev/null || true
+  echo "commit $PAGEDKV_COMMIT"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
