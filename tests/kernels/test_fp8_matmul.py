@@ -44,9 +44,10 @@ def _bound(xq, xs, wq, ws, dtype: torch.dtype, interpreted: bool) -> torch.Tenso
     return ref, u * ref.abs() + (1 + u) * (k + 3) * 2.0**-24 * (x @ w.T)
 
 
-# (M, N, K): one token, a few, a 16-token block exactly, past it, past 64 (several M blocks);
-# N and K off every tile
-SHAPES = [(1, 96, 256), (3, 80, 200), (16, 64, 192), (21, 48, 136), (70, 40, 96)]
+# (M, N, K): one token, a few, a 16-token block exactly, past it, past 64, past 128 (two M
+# blocks of 128); N and K off every tile
+SHAPES = [(1, 96, 256), (3, 80, 200), (16, 64, 192), (21, 48, 136), (70, 40, 96),
+          (150, 40, 96)]
 FULL_SHAPES = [(1, 4096, 4096), (16, 6144, 4096), (37, 4096, 14336), (64, 28672, 4096),
                (200, 1000, 1000)]  # fmt: skip
 
@@ -69,14 +70,14 @@ def test_fp8_matmul_split_k(target, seed, split_k):
     """Split-K (the partial sums of K ranges, added in split order and scaled by the tile's
     last split, ``merge_here``, or by a second kernel): within the bound, an empty last split
     included (K = 200 in steps of 64: splits of 2, 2, 0), into a given output with strided
-    rows; the same bits on a second call and from both merges; the merge's counts left at
-    zero for the next call."""
+    rows, over two blocks of tokens (a merge count per (M block, N block)); the same bits on
+    a second call and from both merges; the merge's counts left at zero for the next call."""
     if target.backend != "triton":
         pytest.skip("a Triton kernel option")
     from pagedattn_kernels.quant import triton_launch as ql
 
     gen = target.generator(seed)
-    m, n, k = (21, 80, 200) if not target.full else (37, 4096, 14336)
+    m, n, k = (150, 80, 200) if not target.full else (200, 4096, 14336)
     cfg = ql.Fp8MatmulConfig(block_n=32 if not target.full else 128, block_k=64,
                              split_k=split_k, num_stages=1 if not target.full else 4)  # fmt: skip
     xq, xs, wq, ws = _operands(gen, m, n, k, target.device)

@@ -238,8 +238,11 @@ def fp8_matmul_kernel(
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
-    [BLOCK_K, BLOCK_M]``. Grid: (N blocks, M blocks, splits); split ``s`` sums K range
-    [s * k_chunk, + k_chunk) (k_chunk a multiple of BLOCK_K).
+    [BLOCK_K, BLOCK_M]``. Grid: (M blocks, N blocks, splits); split ``s`` sums K range
+    [s * k_chunk, + k_chunk) (k_chunk a multiple of BLOCK_K). The M blocks come first so that
+    past one block of tokens (129 rows and more) the programs that read the same weight tile
+    launch side by side, and all but the first find it in L2: with N first, each M block
+    streamed the whole weight from memory again.
 
     Why swapped: at decode batch sizes M (the tokens) is 1-64, while a tensor-core tile's M
     side is 64 on sm_90's wgmma (cuBLAS's fp8 kernels take 128 rows there). The weight rows
@@ -266,15 +269,15 @@ def fp8_matmul_kernel(
     they stream in while it still runs, and the pipeline's first loads find them in L2."""
     if PDL and PREFETCH > 0:
         lines = tl.program_id(2) * k_chunk + tl.arange(0, PREFETCH // 128) * 128
-        pn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        pn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         pre = w_ptr + pn.to(tl.int64)[:, None] * stride_wn + tl.minimum(lines, K - 1)[None, :]
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [pre],
                                   dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -308,7 +311,7 @@ def fp8_matmul_kernel(
         tl.store(part + pid_k * M * N, acc, mask=mask)
         if MERGE_HERE:
             tl.debug_barrier()  # every thread's partial is stored before the count moves
-            counter = counter_ptr + pid_n * tl.num_programs(1) + pid_m
+            counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
             if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
                 total = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
                 for s in range(splits):  # from L2 (".cg"): other SMs wrote them

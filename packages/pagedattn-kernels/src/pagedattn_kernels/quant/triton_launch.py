@@ -241,19 +241,19 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
     # A 128 x 128 float32 accumulator over 4 warps would take 128 registers a thread.
     num_warps = cfg.num_warps if block_m <= 64 or interpreted else max(cfg.num_warps, 8)
-    grid_nm = (-(-n // cfg.block_n), -(-m // block_m))
+    grid_mn = (-(-m // block_m), -(-n // cfg.block_n))
     k_iters = -(-k // cfg.block_k)
     # fp32 partials (split * M * N * 4 bytes) at most 1/8 of the e4m3 weights (N * K)
-    split = cfg.split_k or auto_split(grid_nm[0] * grid_nm[1], k_iters, sms, max(1, k // (32 * m)))
+    split = cfg.split_k or auto_split(grid_mn[0] * grid_mn[1], k_iters, sms, max(1, k // (32 * m)))
     k_chunk = -(-k_iters // split) * cfg.block_k
     x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     counters = None
     if split > 1 and cfg.merge_here:
-        counters = _merge_counters(xq.device, grid_nm[0] * grid_nm[1])
+        counters = _merge_counters(xq.device, grid_mn[0] * grid_mn[1])
     pdl = use_pdl(xq.device)
     prefetch = prefetch_bytes() if pdl else 0
-    kernels.fp8_matmul_kernel[(*grid_nm, split)](
+    kernels.fp8_matmul_kernel[(*grid_mn, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,

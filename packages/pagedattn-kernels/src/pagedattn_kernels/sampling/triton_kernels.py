@@ -61,7 +61,8 @@ def argmax_chunks_kernel(
 ):
     """Grid: (rows, chunks). ``bits_ptr``: the logits viewed as integers of their width (int16
     for bfloat16 and float16, int32 for float32). Columns past the row's end get a key below
-    every value's. DIRECT (one chunk a row): ``out[row]`` = the column; else ``part[row, chunk]`` = the packed (key, column).
+    every value's. DIRECT (one chunk a row): ``out[row]`` = the column; else
+    ``part[row, chunk]`` = the packed (key, column).
     ``cols`` and the strides are specialized on (a model's constants): a row stride that is a
     multiple of 16 lets the loads vectorize."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
