@@ -7,8 +7,9 @@
 # tokens; its M blocks now launch side by side and share each weight tile through L2.
 # 1) the fp8_matmul GPU tests (two M blocks in the split test); 2) a Llama-3-8B layer's
 # matmuls at 128-256 rows: bf16 F.linear, torch._scaled_mm on quantized rows, fp8_matmul as
-# the engine calls it; 3) the fp8 run at the defaults and with PAGEDKV_FP8_MATMUL_MAX_ROWS=256,
-# AB_ROUNDS (2) rounds interleaved, with the decode bands.
+# the engine calls it, and with all the tokens in one 256-wide tile (swap_m256); 3) the fp8
+# run at the defaults and with PAGEDKV_FP8_MATMUL_MAX_ROWS=256, AB_ROUNDS (2) rounds
+# interleaved, with the decode bands.
 # Files back: fp8_matmul_gpu_tests.log, gemm_rows256.{json,log}, the run JSONs.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,7 +21,7 @@ timeout 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs tests/kernels/test
 echo "fp8_matmul gpu tests: exit $?"; tail -2 "$OUT/fp8_matmul_gpu_tests.log"
 echo "=== a layer's matmuls at 128-256 rows"
 timeout 200 "$PY" scripts/fp8_weight_only_gemm.py --m ${GEMM_ROWS:-128 160 192 256} \
-  --only bf16,fp8_prequant,swap_pick --budget-s 150 --commit "$PAGEDKV_COMMIT" \
+  --only bf16,fp8_prequant,swap_pick,swap_m256 --budget-s 150 --commit "$PAGEDKV_COMMIT" \
   --output-json "$OUT/gemm_rows256.json" > "$OUT/gemm_rows256.log" 2>&1
 echo "    exit $?"; grep -E "^layer|rror" "$OUT/gemm_rows256.log" | cut -c1-150
 echo "=== the fp8 run, fp8_matmul up to 128 (base) and 256 rows"
