@@ -59,6 +59,11 @@ class DecodePlan:
         return DecodePlan(self.work.to(device, non_blocking=non_blocking),
                           self.merges.to(device, non_blocking=non_blocking), self.tile_n)  # fmt: skip
 
+    def pin_memory(self) -> DecodePlan:
+        """This host plan in pinned memory, as ``Tensor.pin_memory``: a copy to a GPU from
+        there with ``non_blocking`` never waits for the kernels queued before it."""
+        return DecodePlan(self.work.pin_memory(), self.merges.pin_memory(), self.tile_n)
+
     @property
     def num_items(self) -> int:
         """Items in the plan (host plans only: it reads the rows)."""

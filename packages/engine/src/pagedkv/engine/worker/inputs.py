@@ -21,7 +21,7 @@ import torch
 
 from pagedkv.engine.attention import AttentionMetadata
 from pagedkv.engine.worker.decode_plans import DecodePlanner
-from pagedkv.engine.worker.staging import host_tensor
+from pagedkv.engine.worker.staging import host_tensor, stage
 
 
 @dataclass(slots=True)
@@ -147,7 +147,7 @@ def _decode_order(seq_lens: torch.Tensor, rows: int,
     ``bench.throughput``, 2baf0a1)."""
     if not rows or device.type not in ORDER_DEVICES or not DECODE_ORDER:
         return None
-    return longest_first(seq_lens[:rows]).to(device, non_blocking=True)
+    return stage(longest_first(seq_lens[:rows]), device)
 
 
 def build_inputs(
@@ -157,8 +157,9 @@ def build_inputs(
     """Flat inputs of a prefill or mixed batch, and the query length of each sequence.
 
     Positions and slots are computed from a few host tensors, then everything is copied to
-    `device` without waiting. With a `planner`, decode rows where plans pay attend by a
-    plan (`decode_plans`), else in the longest-first order."""
+    `device` without waiting (`staging.stage`: through pinned memory on a GPU). With a
+    `planner`, decode rows where plans pay attend by a plan (`decode_plans`), else in the
+    longest-first order."""
     ids = list(chain.from_iterable(batch.token_ids))
     qlens = [len(t) for t in batch.token_ids]
     num_seqs = len(qlens)
@@ -183,25 +184,25 @@ def build_inputs(
     decode_rows = num_seqs if max_q == 1 else num_decode
     plan = None
     if planner is not None and planner.pays(decode_rows):
-        plan = planner.plan(seq_lens[:decode_rows]).to(device, non_blocking=True)
+        plan = stage(planner.plan(seq_lens[:decode_rows]), device)
     meta = AttentionMetadata(
-        slot_mapping=slots.to(device, non_blocking=True),
-        block_tables=block_tables.to(device, non_blocking=True),
-        seq_lens=seq_lens.to(device, non_blocking=True),
-        cu_query_lens=cu.to(device, non_blocking=True),
+        slot_mapping=stage(slots, device),
+        block_tables=stage(block_tables, device),
+        seq_lens=stage(seq_lens, device),
+        cu_query_lens=stage(cu, device),
         max_query_len=max_q,
         max_seq_len=int(seq_lens.max()),
         decode_only=max_q == 1,
         num_decode_seqs=num_decode,
-        prefill_cu_query_lens=(cu[num_decode:] - num_decode).to(device, non_blocking=True)
+        prefill_cu_query_lens=stage(cu[num_decode:] - num_decode, device)
         if num_decode else None,
         decode_order=_decode_order(seq_lens, decode_rows, device) if plan is None else None,
         decode_plan=plan,
     )
     inputs = StepInputs(
-        input_ids=host_tensor(ids).to(device, non_blocking=True),
-        positions=positions.to(device, non_blocking=True),
+        input_ids=stage(host_tensor(ids), device),
+        positions=stage(positions, device),
         meta=meta,
-        sample_rows=sample_rows.to(device, non_blocking=True),
+        sample_rows=stage(sample_rows, device),
     )
     return inputs, qlens

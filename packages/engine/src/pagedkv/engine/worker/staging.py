@@ -5,7 +5,8 @@ host work around it is time the GPU waits; these helpers keep that work small:
 
 - `host_tensor`: a CPU tensor of Python ints through the buffer protocol (`array` converts
   the list in C, several times faster than `torch.tensor(list)` for batch-sized lists).
-- `to_device`: a few ints on the device through pinned memory, never waiting for the stream.
+- `to_device` / `stage`: ints or a host tensor on the device through pinned memory, never
+  waiting for the stream.
 - `StagedTables`: the block tables of the decode batch in one (pinned) host buffer, kept from
   step to step and rewritten only where they changed.
 """
@@ -34,13 +35,21 @@ def host_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Ten
 
 def to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long
               ) -> torch.Tensor:
-    """`values` as a tensor on `device`, without making the host wait for the device.
+    """`values` as a tensor on `device`, without making the host wait for the device
+    (`stage`)."""
+    return stage(host_tensor(values, dtype), device)
 
-    On a GPU the ints go through pinned memory (PyTorch's caching host allocator, which keeps
-    the block until the copy has run): a copy from pageable memory "may synchronize with the
+
+def stage(t, device: torch.device):
+    """The host tensor `t` (or anything with `pin_memory` and `to`, such as a
+    `pagedattn_kernels.DecodePlan`) on `device`, without making the host wait for the device.
+
+    On a GPU it goes through pinned memory (PyTorch's caching host allocator, which keeps the
+    block until the copy has run): a copy from pageable memory "may synchronize with the
     stream" (CUDA's API synchronization behavior), that is, wait for every kernel queued
-    before it, which would stall the host of any rank that launches its next step early."""
-    t = host_tensor(values, dtype)
+    before it. With asynchronous scheduling the next pass is prepared while the one before
+    runs; a pageable copy would hold the host there until that pass ends, and the GPU would
+    then wait for the rest of the preparation and the launches."""
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
