@@ -116,11 +116,11 @@ FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: programs; 16 spill stores, 21 more instructions in the key loop's 784) and more at 128
 #: (sixteen; 104 stores, 72 more).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
-
+_SM_REGISTERS = 65536  # 32-bit registers of one SM (sm_80 and sm_90)
 _ONE_WARP_MAXNREG = _register_cap_from_env("PAGEDATTN_FP8_ONE_WARP_MAXNREG")
 FP8_ONE_WARP = DecodeConfig(
     tile_n=32, num_warps=1, num_stages=3,
-    per_sm=65536 // (32 * _ONE_WARP_MAXNREG) if _ONE_WARP_MAXNREG else 8,
+    per_sm=_SM_REGISTERS // (32 * _ONE_WARP_MAXNREG) if _ONE_WARP_MAXNREG else 8,
     maxnreg=_ONE_WARP_MAXNREG,
 )  # fmt: skip
 
