@@ -104,13 +104,8 @@ def context_lengths(batch: int, context: int, how: str, seed: int) -> list[int]:
 
 
 def parse_configs(text: str) -> list:
-    """``DecodeConfig``s from TILE_N/WARPS/STAGES[/PER_SM[/MAXNREG]] items, comma-separated
-    (MAXNREG: ``DecodeConfig.maxnreg``, the register cap)."""
-    configs = []
-    for item in filter(None, text.split(",")):
-        values = [int(v) for v in item.split("/")]
-        configs.append(D(*values[:4], maxnreg=values[4] if len(values) > 4 else None))
-    return configs
+    """``DecodeConfig``s from TILE_N/WARPS/STAGES[/PER_SM] items, comma-separated."""
+    return [D(*map(int, c.split("/"))) for c in text.split(",") if c]
 
 
 def bound(context: int) -> int:
@@ -198,8 +193,7 @@ def main() -> int:
                     "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences); 'none': only "
                     "the automatic count")
     ap.add_argument("--configs", default="", help="fp8 tiles to try instead of CONFIGS: "
-                    "TILE_N/WARPS/STAGES[/PER_SM[/MAXNREG]], comma-separated (e.g. "
-                    "64/2/4,32/1/3/12/168)")
+                    "TILE_N/WARPS/STAGES[/PER_SM] triples, comma-separated (e.g. 64/2/4,32/2/3)")
     ap.add_argument("--bf16-configs", default="", help="bfloat16 tiles to try instead of "
                     "BF16_CONFIGS, as --configs")
     ap.add_argument("--automatic-configs", action="store_true",
@@ -268,7 +262,7 @@ def main() -> int:
                        "kv": str(dtype).split(".")[-1],
                        "config": None if cfg is None else [cfg.tile_n, cfg.num_warps,
                                                            cfg.num_stages, cfg.per_sm,
-                                                           cfg.one_loop, cfg.maxnreg],
+                                                           cfg.one_loop],
                        "splits": splits, "longest_first": longest_first}  # fmt: skip
                 # named before it runs: a sticky CUDA error (run with CUDA_LAUNCH_BLOCKING=1)
                 # then points at the variant whose kernel raised it, not at the next one

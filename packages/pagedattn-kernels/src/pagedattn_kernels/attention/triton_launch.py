@@ -55,9 +55,7 @@ class DecodeConfig:
     words are loaded into registers, probably outside the compiler's software pipeline.
     ``one_loop``: the ragged last tile inside the pipelined loop, every tile masked
     (``decode_kernel``'s ONE_LOOP), rather than unmasked whole tiles and the ragged one after
-    the loop. ``maxnreg``: a cap on the registers of a thread (Triton's ``maxnreg``; None: the
-    compiler's choice), so that more programs fit on an SM (``per_sm`` should say how many) at
-    the cost of spilling the rest to local memory; compiled kernels only."""
+    the loop."""
 
     tile_n: int
     num_warps: int
@@ -67,7 +65,6 @@ class DecodeConfig:
     f16_products: bool = True
     packed_loads: bool = False
     one_loop: bool = False
-    maxnreg: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,17 +85,6 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def _register_cap_from_env(name: str) -> int | None:
-    """A register cap (``DecodeConfig.maxnreg``) from environment variable ``name``; unset or
-    empty: none."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 24 <= int(raw) <= 255:
-        raise ValueError(f"${name}={raw!r}: a register cap from 24 to 255, or unset for none")
-    return int(raw)
-
-
 #: fp8 caches: from this many (sequence, KV head) pairs on, the decode kernel takes narrow
 #: tiles (``decode_config``): ``FP8_NARROW``, 64 tokens and two warps per program (255
 #: registers and 22 KB of shared memory at head dim 128 on sm_90: four programs per SM) ...
@@ -107,22 +93,9 @@ FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: ... and from this many on ``FP8_ONE_WARP``, 32 tokens and one warp per program (212
 #: registers and 12 KB of shared memory: eight programs per SM). ``PAGEDATTN_FP8_ONE_WARP_PAIRS``
 #: (read at import) moves the threshold, for A/B runs of a whole benchmark (a huge value:
-#: never one warp). ``PAGEDATTN_FP8_ONE_WARP_MAXNREG`` (read at import; unset: none), for A/B
-#: runs too, caps its registers (``DecodeConfig.maxnreg``) so that more of its programs share
-#: an SM: 65,536 // (32 x the cap) of them. Why try: at 160 sequences of 1,000 tokens the
-#: one-warp programs read the fp8 cache at 67% of the copy bandwidth
-#: (``gpu_runs/2026-12-03c/``), nine warps an SM, where Nsight Compute found the wide tiles
-#: issue-bound; offline sm_90 compiles (Triton 3.6) spill little at 168 registers (twelve
-#: programs; 16 spill stores, 21 more instructions in the key loop's 784) and more at 128
-#: (sixteen; 104 stores, 72 more).
+#: never one warp).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
-_SM_REGISTERS = 65536  # 32-bit registers of one SM (sm_80 and sm_90)
-_ONE_WARP_MAXNREG = _register_cap_from_env("PAGEDATTN_FP8_ONE_WARP_MAXNREG")
-FP8_ONE_WARP = DecodeConfig(
-    tile_n=32, num_warps=1, num_stages=3,
-    per_sm=_SM_REGISTERS // (32 * _ONE_WARP_MAXNREG) if _ONE_WARP_MAXNREG else 8,
-    maxnreg=_ONE_WARP_MAXNREG,
-)  # fmt: skip
+FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
 
 
 def decode_config(
@@ -401,15 +374,8 @@ def _launch_decode(
         OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
         F16_PRODUCTS=cfg.f16_products, PACKED=_packed(kernels, cfg, key_cache, value_cache),
         ONE_LOOP=cfg.one_loop, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_register_cap(kernels.decode_kernel, cfg), **modes,
+        num_stages=cfg.num_stages, **modes,
     )  # fmt: skip
-
-
-def _register_cap(kernel, cfg: DecodeConfig) -> dict:
-    """The launch option of ``cfg.maxnreg``: none in the interpreter, which has no registers."""
-    if cfg.maxnreg is None or is_interpreted(kernel):
-        return {}
-    return {"maxnreg": cfg.maxnreg}
 
 
 def decode_lanes(
