@@ -374,51 +374,20 @@ def test_fp8_linear_takes_fp8_matmul_for_few_rows(seed, dtype, monkeypatch):
     assert calls == [1, 1, 7, 7], calls
 
 
-def test_reducing_matmuls_have_their_own_row_limit(seed, monkeypatch):
-    """``FP8_MATMUL_MAX_ROWS_REDUCING`` (when set) replaces ``FP8_MATMUL_MAX_ROWS`` for weights
-    no wider than their input (out <= in: the output and down projections) and for no other."""
-    import pagedattn_kernels
-    from pagedkv.engine.models import quantization
-    from pagedkv.engine.models.quantization import quantize_weight
-
-    assert quantization.FP8_MATMUL_MAX_ROWS_REDUCING is None  # the default: one limit for all
-    monkeypatch.setattr(quantization, "FP8_MATMUL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS", 4)
-    gen = torch.Generator().manual_seed(seed)
-    shapes = {"expanding": (64, 32), "square": (32, 32), "down": (16, 48)}
-    weights = {k: quantize_weight(torch.randn(*s, generator=gen) * 0.05) for k, s in shapes.items()}
-    calls = []
-    real = pagedattn_kernels.fp8_matmul
-    monkeypatch.setattr(pagedattn_kernels, "fp8_matmul",
-                        lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))  # fmt: skip
-
-    def taken(rows: int) -> set[str]:
-        calls.clear()
-        for wq, ws in weights.values():
-            fp8_linear(torch.randn(rows, wq.shape[1], generator=gen), wq, ws)
-        return {k for k, s in shapes.items() if torch.Size(s) in calls}
-
-    assert taken(4) == set(shapes) and taken(6) == set()
-    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS_REDUCING", 8)
-    assert taken(6) == {"square", "down"} and taken(4) == set(shapes) and taken(9) == set()
-    monkeypatch.setattr(quantization, "FP8_MATMUL_MAX_ROWS_REDUCING", 0)
-    assert taken(1) == {"expanding"}
-
-
 @pytest.mark.parametrize("value", ["-1", "lots", "1.5", ""])
-@pytest.mark.parametrize("var", ["PAGEDKV_FP8_MATMUL_MAX_ROWS",
-                                 "PAGEDKV_FP8_MATMUL_MAX_ROWS_REDUCING"])
-def test_a_bad_row_limit_is_a_clear_error(var, value, monkeypatch):
-    """A row limit that is not a whole number >= 0 stops the import with the variable named."""
+def test_a_bad_row_limit_is_a_clear_error(value, monkeypatch):
+    """``PAGEDKV_FP8_MATMUL_MAX_ROWS`` that is not a whole number >= 0 stops the import with the
+    variable named (it used to fail as a bare ``int()`` or, negative, to turn fp8_matmul off)."""
     from pagedkv.engine.models.quantization import _row_limit
 
+    var = "PAGEDKV_FP8_MATMUL_MAX_ROWS"
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):
         _row_limit(var, "128")
     monkeypatch.setenv(var, "256")
     assert _row_limit(var, "128") == 256
     monkeypatch.delenv(var)
-    assert _row_limit(var, None) is None and _row_limit(var, "128") == 128
+    assert _row_limit(var, "128") == 128
 
 
 def test_quantized_model_logits_stay_close(tiny_checkpoint, single_thread):

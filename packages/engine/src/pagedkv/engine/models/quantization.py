@@ -29,14 +29,6 @@ cache) it took the run from 11,282 output tok/s (``_scaled_mm`` for all) to 13,3
 The environment variable ``PAGEDKV_FP8_MATMUL_MAX_ROWS`` sets the row limit for a run (0:
 ``torch._scaled_mm`` for every size).
 
-*Reducing* matmuls, whose weight is no wider than its input (``out <= in``: the output
-projection, square, and the down projection), have a limit of their own,
-``PAGEDKV_FP8_MATMUL_MAX_ROWS_REDUCING`` (unset: ``FP8_MATMUL_MAX_ROWS``). Past 128 rows
-cuBLAS's fp8 kernels read those weights at 34-43% of the copy bandwidth on an H200, where
-``fp8_matmul`` reached 45-48% at 160-256 rows (O 10.5 against 13.7 us, down 32.4 against 38.1
-at 160; ``scripts/fp8_weight_only_gemm.py``, 1fef4fd), while for Q/K/V and gate/up cuBLAS
-stays ahead (14.6 against 19.5 and 53.1 against 68.5 us).
-
 Why per channel and per token: one scale per tensor lets a single outlier channel or token
 flatten the resolution of all others; per-row scales cost one float per row and nothing in the
 kernel's inner loop.
@@ -85,11 +77,9 @@ FP8 = torch.float8_e4m3fn
 METHODS = ("fp8",)
 
 
-def _row_limit(var: str, default: str | None) -> int | None:
+def _row_limit(var: str, default: str) -> int:
     """A row limit from the environment: a whole number >= 0 (unset: ``default``)."""
     text = os.environ.get(var, default)
-    if text is None:
-        return None
     try:
         limit = int(text)
     except ValueError:
@@ -99,10 +89,8 @@ def _row_limit(var: str, default: str | None) -> int | None:
     return limit
 
 
-# Matmuls of at most this many rows go to pagedattn_kernels.fp8_matmul (see above) ...
+# Matmuls of at most this many rows go to pagedattn_kernels.fp8_matmul (see above).
 FP8_MATMUL_MAX_ROWS = _row_limit("PAGEDKV_FP8_MATMUL_MAX_ROWS", "128")
-# ... and reducing ones (weight out <= in) up to this many (None: FP8_MATMUL_MAX_ROWS).
-FP8_MATMUL_MAX_ROWS_REDUCING = _row_limit("PAGEDKV_FP8_MATMUL_MAX_ROWS_REDUCING", None)
 # ... on these devices (the CPU keeps the float32 fallback, which is the same arithmetic).
 FP8_MATMUL_DEVICES = ("cuda",)
 # torch._scaled_mm's use_fast_accum and fp8_matmul's fast_accum (see above).
@@ -146,14 +134,10 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def takes_fp8_matmul(q: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`fp8_linear` sends these quantized rows to ``pagedattn_kernels.fp8_matmul``:
-    at most ``FP8_MATMUL_MAX_ROWS`` of them (``FP8_MATMUL_MAX_ROWS_REDUCING`` for a weight no
-    wider than its input, when set), on a device of ``FP8_MATMUL_DEVICES`` and, on a GPU, one
-    with fp8 tensor cores (the kernel's e4m3 conversions need compute capability 8.9; older
-    GPUs keep the float32 fallback)."""
-    limit = FP8_MATMUL_MAX_ROWS
-    if FP8_MATMUL_MAX_ROWS_REDUCING is not None and weight.shape[0] <= weight.shape[1]:
-        limit = FP8_MATMUL_MAX_ROWS_REDUCING
-    if q.shape[0] > limit or q.device.type not in FP8_MATMUL_DEVICES:
+    at most ``FP8_MATMUL_MAX_ROWS`` of them, on a device of ``FP8_MATMUL_DEVICES`` and, on a
+    GPU, one with fp8 tensor cores (the kernel's e4m3 conversions need compute capability 8.9;
+    older GPUs keep the float32 fallback)."""
+    if q.shape[0] > FP8_MATMUL_MAX_ROWS or q.device.type not in FP8_MATMUL_DEVICES:
         return False
     return q.device.type != "cuda" or uses_scaled_mm(q, weight)
 
