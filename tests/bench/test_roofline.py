@@ -77,7 +77,12 @@ def test_roofline_report_splits_gpu_busy_from_host_wait(llama8b) -> None:
     bound = (cost.pass_bound(hw, *passes[1]) + cost.pass_bound(hw, *passes[2])) / 2
     assert by_batch["1-64"]["bound_ms_mean"] == pytest.approx(bound * 1e3)
     assert by_batch["1-64"]["roofline_frac"] == pytest.approx(2 * bound / 0.022)
+    # The pass with prompt tokens and the one after it, as measured.
+    assert report["mixed_pass_trace"] == [
+        {"i": 0, "tokens": 1000, "seqs": 2, "step_ms": 50.0, "gpu_ms": 40.0},
+        {"i": 1, "tokens": 2, "seqs": 2, "step_ms": 10.0, "gpu_ms": 6.0},
+    ]
     # Spans that do not line up with the passes (a CPU run has none) are ignored, not misread.
     short = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps), gpu_seconds=gpu[:2])
     assert "decode_gpu_ms" not in short
-    assert "decode_host_gap_by_batch" not in short
+    assert "decode_host_gap_by_batch" not in short and "mixed_pass_trace" not in short

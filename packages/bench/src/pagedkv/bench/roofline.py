@@ -170,7 +170,21 @@ def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, 
             out[f"{kind}_host_gap_seconds"] = sum(step_seconds[i] - gpu[i] for i in idx)
     if gpu is not None:
         out["decode_host_gap_by_batch"] = _host_gap_by_batch(passes, step_seconds, gpu, bounds)
+        out["mixed_pass_trace"] = _mixed_pass_trace(passes, step_seconds, gpu)
     return out
+
+
+def _mixed_pass_trace(passes, step_seconds, gpu) -> list[dict[str, float]]:
+    """Each pass with prompt tokens, and the pass after it: (index, tokens, sequences, the
+    step's wall time and the pass's device time in ms). A run has few of them (all prompts of
+    an offline run are admitted in its first passes), and their host gaps vary from run to
+    run: the trace says which passes wait. Under asynchronous scheduling a step's wall time
+    covers the wait for the pass before the one it launched, so read gaps over neighbours."""
+    rows = sorted({j for i, p in enumerate(passes) if p[0] != p[1]
+                   for j in (i, i + 1) if j < len(passes)})
+    return [{"i": i, "tokens": passes[i][0], "seqs": passes[i][1],
+             "step_ms": round(step_seconds[i] * 1e3, 3), "gpu_ms": round(gpu[i] * 1e3, 3)}
+            for i in rows]  # fmt: skip
 
 
 # Decode batch sizes are grouped by these upper bounds for the host-gap table.
