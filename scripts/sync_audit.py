@@ -53,6 +53,8 @@ def main() -> int:
     ap.set_defaults(num_prompts=256)
     ap.add_argument("--warmup-steps", type=int, default=1,
                     help="steps before the audit starts (first launches, allocator)")
+    ap.add_argument("--trace-steps", type=int, default=24,
+                    help="print the phases of this many first steps")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
@@ -79,6 +81,26 @@ def main() -> int:
         found.append(place)
         first.setdefault(place, f"{message}\n" + "".join(traceback.format_list(stack[-12:])))
 
+    # The caching allocator's calls to the driver, which torch's sync debug mode does not see:
+    # cudaFree synchronizes the device (a retry frees cached blocks after a failed cudaMalloc).
+    alloc_keys = ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                  "num_sync_all_streams")  # fmt: skip
+    allocator: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def alloc_stats() -> dict[str, int]:
+        stats = torch.cuda.memory_stats(engine.device) if cuda else {}
+        return {k: int(stats.get(k, 0)) for k in alloc_keys}
+
+    # The first steps' phases (asynchronous scheduling: the pass it schedules and launches is
+    # the one after the pass it waits for and applies): a launch that waits shows here.
+    phases: list[dict[str, float]] = []
+
+    def observe(rec) -> None:
+        if len(phases) < args.trace_steps:
+            phases.append({"prompt_tokens": rec.num_prefill_tokens, "seqs": len(rec.scheduled),
+                           **{k: round(v * 1e3, 2) for k, v in rec.timings.items()}})
+
+    engine.add_step_observer(observe)
     steps = 0
     warnings.showwarning = record
     warnings.simplefilter("always")
@@ -86,7 +108,9 @@ def main() -> int:
         if steps == args.warmup_steps and cuda:
             torch.cuda.set_sync_debug_mode("warn")
         found.clear()
+        before = alloc_stats()
         engine.step()
+        after = alloc_stats()
         steps += 1
         passes, runner.step_log = runner.step_log, []
         if steps <= args.warmup_steps:
@@ -95,6 +119,8 @@ def main() -> int:
         for place in found:
             counts[place][kind] += 1
         counts["(steps)"][kind] += 1
+        for key in alloc_keys:
+            allocator[key][kind] += after[key] - before[key]
     if cuda:
         torch.cuda.set_sync_debug_mode("default")
     steps_by_kind = counts.pop("(steps)")
@@ -105,10 +131,18 @@ def main() -> int:
         print(f"\n--- first at {place}:\n{stack}")
     if not counts:
         print("  none")
+    print(f"the first {len(phases)} steps' phases in ms (applied pass: prompt tokens, seqs):")
+    for row in phases:
+        print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    print("caching allocator calls during the audited steps, by step kind:")
+    for key in alloc_keys:
+        print(f"  {key}: {dict(allocator[key])}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"steps": steps, "audited": dict(steps_by_kind),
                        "places": {p: dict(c) for p, c in counts.items()}, "first": first,
+                       "allocator": {k: dict(c) for k, c in allocator.items()},
+                       "phases": phases,
                        "argv": sys.argv[1:]}, f, indent=1)  # fmt: skip
     return 0
 
