@@ -82,7 +82,18 @@ def test_roofline_report_splits_gpu_busy_from_host_wait(llama8b) -> None:
         {"i": 0, "tokens": 1000, "seqs": 2, "step_ms": 50.0, "gpu_ms": 40.0},
         {"i": 1, "tokens": 2, "seqs": 2, "step_ms": 10.0, "gpu_ms": 6.0},
     ]
+    # The device's own wait before each pass, when measured: summed by kind, traced per pass.
+    waits = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps), gpu_seconds=gpu,
+                            between_seconds=[0.0, 0.002, 0.0005])  # fmt: skip
+    assert waits["mixed_device_wait_seconds"] == pytest.approx(0.0)
+    assert waits["decode_device_wait_seconds"] == pytest.approx(0.0025)
+    assert [r["wait_before_ms"] for r in waits["mixed_pass_trace"]] == [0.0, 2.0]
+    assert "decode_device_wait_seconds" not in report  # not measured: not reported
+    assert "wait_before_ms" not in report["mixed_pass_trace"][0]
     # Spans that do not line up with the passes (a CPU run has none) are ignored, not misread.
     short = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps), gpu_seconds=gpu[:2])
     assert "decode_gpu_ms" not in short
     assert "decode_host_gap_by_batch" not in short and "mixed_pass_trace" not in short
+    mismatched = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps),
+                                 gpu_seconds=gpu, between_seconds=[0.0])  # fmt: skip
+    assert "decode_device_wait_seconds" not in mismatched

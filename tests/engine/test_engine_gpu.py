@@ -140,3 +140,28 @@ def test_gpu_bf16_parallel_sampling_prefix_cache(model_path):
     eng = _engine(model_path, dtype="bfloat16", enable_prefix_caching=True)
     outs = run_all(eng, PROMPTS, SamplingParams(max_tokens=16, temperature=0.7, seed=3, n=2))
     assert all(len(o.outputs) == 2 for o in outs)
+
+
+def test_throughput_recorder_reads_each_pass_on_the_device(graph_engine):
+    """`bench throughput`'s pass recorder on a GPU: a device time for every recorded pass and
+    the device's wait before it, both >= 0, one per pass, and a roofline report that sums the
+    waits by kind (what the real-ShareGPT runs report as `*_device_wait_seconds`)."""
+    from pagedkv.bench.roofline import Hardware, ModelCost, roofline_report
+    from pagedkv.bench.throughput import BenchRequest, run_pagedkv
+
+    reqs = [BenchRequest(list(range(3, 3 + n)), 6) for n in (5, 40, 17, 9)]
+    run = run_pagedkv(graph_engine, reqs, record=True)
+    assert run.output_tokens == 24
+    n = len(run.passes)
+    assert n >= 6 and len(run.gpu_seconds) == n and len(run.between_seconds) == n
+    assert all(t > 0 for t in run.gpu_seconds) and all(t >= 0 for t in run.between_seconds)
+    assert run.between_seconds[0] == 0.0
+    mc = graph_engine.model_config
+    cost = ModelCost.of(graph_engine.runner.model, mc,
+                        mc.kv_bytes_per_token(graph_engine.runner.kv_cache.dtype))
+    report = roofline_report(cost, Hardware(bandwidth=4e12, matmul_flops=800e12), run.passes,
+                             run.step_seconds, run.seconds, gpu_seconds=run.gpu_seconds,
+                             between_seconds=run.between_seconds)  # fmt: skip
+    waits = report["mixed_device_wait_seconds"] + report["decode_device_wait_seconds"]
+    assert waits == pytest.approx(sum(run.between_seconds))
+    assert all("wait_before_ms" in row for row in report["mixed_pass_trace"])

@@ -137,13 +137,22 @@ class ModelCost:
 
 def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, int, int]],
                     step_seconds: list[float], wall_seconds: float,
-                    gpu_seconds: list[float] | None = None) -> dict[str, Any]:
+                    gpu_seconds: list[float] | None = None,
+                    between_seconds: list[float] | None = None) -> dict[str, Any]:
     """`passes[i]` = (tokens, seqs, kv_tokens, pairs) of step i and `step_seconds[i]` its
-    measured time (host work included); `gpu_seconds[i]`, when given, its device time. Returns
-    the run's roofline fraction and the typical decode pass: its bound and its measured time,
-    and how much of that time the GPU was busy."""
+    measured time (host work included); `gpu_seconds[i]`, when given, its device time, and
+    `between_seconds[i]` the device time from the end of pass i-1 to its start (the device
+    waiting for the host to launch it). Returns the run's roofline fraction and the typical
+    decode pass: its bound and its measured time, and how much of that time the GPU was busy.
+
+    A step's wall time less its pass's device time (`*_host_gap_*`) is exact over a run; pass
+    by pass it is not under asynchronous scheduling, where a step waits for the pass before
+    the one it launched. `*_device_wait_seconds` (from `between_seconds`) is the device's own
+    account of the time it waited before each kind of pass."""
     bounds = [cost.pass_bound(hw, *p) for p in passes]
     gpu = gpu_seconds if gpu_seconds and len(gpu_seconds) == len(passes) else None
+    between = (between_seconds if gpu is not None and between_seconds
+               and len(between_seconds) == len(passes) else None)  # fmt: skip
     out: dict[str, Any] = {
         "roofline_frac": sum(bounds) / wall_seconds if wall_seconds > 0 else 0.0,
         "roofline_bound_s": sum(bounds),
@@ -168,23 +177,31 @@ def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, 
             out[f"{kind}_host_gap_ms"] = median(step_seconds[i] - gpu[i] for i in idx) * 1e3
             out[f"{kind}_gpu_seconds"] = sum(gpu[i] for i in idx)
             out[f"{kind}_host_gap_seconds"] = sum(step_seconds[i] - gpu[i] for i in idx)
+        if between is not None:
+            out[f"{kind}_device_wait_seconds"] = sum(between[i] for i in idx)
     if gpu is not None:
         out["decode_host_gap_by_batch"] = _host_gap_by_batch(passes, step_seconds, gpu, bounds)
-        out["mixed_pass_trace"] = _mixed_pass_trace(passes, step_seconds, gpu)
+        out["mixed_pass_trace"] = _mixed_pass_trace(passes, step_seconds, gpu, between)
     return out
 
 
-def _mixed_pass_trace(passes, step_seconds, gpu) -> list[dict[str, float]]:
+def _mixed_pass_trace(passes, step_seconds, gpu, between) -> list[dict[str, float]]:
     """Each pass with prompt tokens, and the pass after it: (index, tokens, sequences, the
-    step's wall time and the pass's device time in ms). A run has few of them (all prompts of
-    an offline run are admitted in its first passes), and their host gaps vary from run to
-    run: the trace says which passes wait. Under asynchronous scheduling a step's wall time
-    covers the wait for the pass before the one it launched, so read gaps over neighbours."""
+    step's wall time, the pass's device time and, when measured, the device's wait before it,
+    in ms). A run has few of them (all prompts of an offline run are admitted in its first
+    passes), and their host gaps vary from run to run: the trace says which passes wait.
+    Under asynchronous scheduling a step's wall time covers the wait for the pass before the
+    one it launched, so read `step_ms` over neighbours; `wait_before_ms` is the pass's own."""
     rows = sorted({j for i, p in enumerate(passes) if p[0] != p[1]
                    for j in (i, i + 1) if j < len(passes)})
-    return [{"i": i, "tokens": passes[i][0], "seqs": passes[i][1],
-             "step_ms": round(step_seconds[i] * 1e3, 3), "gpu_ms": round(gpu[i] * 1e3, 3)}
-            for i in rows]  # fmt: skip
+    trace = []
+    for i in rows:
+        row = {"i": i, "tokens": passes[i][0], "seqs": passes[i][1],
+               "step_ms": round(step_seconds[i] * 1e3, 3), "gpu_ms": round(gpu[i] * 1e3, 3)}
+        if between is not None:
+            row["wait_before_ms"] = round(between[i] * 1e3, 3)
+        trace.append(row)
+    return trace
 
 
 # Decode batch sizes are grouped by these upper bounds for the host-gap table.

@@ -175,10 +175,18 @@ class _PassRecorder:
                 self._gpu_events.append(runner.step_gpu_events.pop())
         self._last = now
 
-    def finish(self) -> list[float]:
-        """Stop logging; the device time of each recorded pass (empty off the GPU)."""
+    def finish(self) -> tuple[list[float], list[float]]:
+        """Stop logging; the device time of each recorded pass, and the device time between the
+        end of the pass before and its start (0 for the first), in seconds (both empty off the
+        GPU). The second is read on the device's clock, so unlike a step's wall time against
+        its pass it does not depend on which step waited for which pass (under asynchronous
+        scheduling a step launches one pass and waits for the one before)."""
         self._runner.step_log = None
-        return [a.elapsed_time(b) / 1e3 for a, b in self._gpu_events]  # all done: the run synced
+        spans = self._gpu_events  # all done: the run synced
+        gpu = [a.elapsed_time(b) / 1e3 for a, b in spans]
+        between = [0.0] + [spans[i - 1][1].elapsed_time(spans[i][0]) / 1e3
+                           for i in range(1, len(spans))]  # fmt: skip
+        return gpu, between if spans else []
 
 
 def _num_gpu_blocks(engine: Any) -> int:
@@ -203,6 +211,7 @@ class PagedRun:
     passes: list[tuple[int, int, int, int]]  # per step with a forward pass (see roofline.py)
     step_seconds: list[float]
     gpu_seconds: list[float]  # device time of each pass (GPU runs only; empty otherwise)
+    between_seconds: list[float]  # device time from the pass before to each (GPU runs only)
 
 
 def run_pagedkv(engine, reqs: list[BenchRequest], *, record: bool = False) -> PagedRun:
@@ -231,8 +240,8 @@ def run_pagedkv(engine, reqs: list[BenchRequest], *, record: bool = False) -> Pa
                 bar.update(1)
     secs = time.perf_counter() - start
     bar.close()
-    gpu_seconds = recorder.finish()
-    return PagedRun(secs, produced, recorder.passes, recorder.step_seconds, gpu_seconds)
+    gpu_seconds, between = recorder.finish()
+    return PagedRun(secs, produced, recorder.passes, recorder.step_seconds, gpu_seconds, between)
 
 
 def _progress(total: int, desc: str):
@@ -451,7 +460,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
         cost = ModelCost.of(_torch_model(engine), mc, mc.kv_bytes_per_token(_kv_dtype(engine)),
                             engine.args.tensor_parallel_size)
         result.update(roofline_report(cost, hw, run.passes, run.step_seconds, secs,
-                                      gpu_seconds=run.gpu_seconds))
+                                      gpu_seconds=run.gpu_seconds,
+                                      between_seconds=run.between_seconds))
 
     print_table(rows, ["system", "requests", "seconds", "requests_per_s", "output_tok_s"])
     if args.profile:
