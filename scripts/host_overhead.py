@@ -72,7 +72,7 @@ class _NoForward(torch.nn.Module):
             self.hidden = torch.randn(n, self.hidden.shape[1])
         return self.hidden[:n]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         return self.logits[: hidden.shape[0]]
 
 
