@@ -30,6 +30,7 @@ import warnings
 
 import torch
 
+from pagedkv.bench.common import ALLOCATOR_COUNTERS, allocator_calls
 from pagedkv.bench.throughput import _add_args, make_requests
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
@@ -81,15 +82,9 @@ def main() -> int:
         found.append(place)
         first.setdefault(place, f"{message}\n" + "".join(traceback.format_list(stack[-12:])))
 
-    # The caching allocator's calls to the driver, which torch's sync debug mode does not see:
-    # cudaFree synchronizes the device (a retry frees cached blocks after a failed cudaMalloc).
-    alloc_keys = ("num_device_alloc", "num_device_free", "num_alloc_retries",
-                  "num_sync_all_streams")  # fmt: skip
+    # The caching allocator's calls to the driver, which torch's sync debug mode does not see
+    # (a cudaFree synchronizes the device).
     allocator: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-
-    def alloc_stats() -> dict[str, int]:
-        stats = torch.cuda.memory_stats(engine.device) if cuda else {}
-        return {k: int(stats.get(k, 0)) for k in alloc_keys}
 
     # The first steps' phases (asynchronous scheduling: the pass it schedules and launches is
     # the one after the pass it waits for and applies): a launch that waits shows here.
@@ -108,9 +103,8 @@ def main() -> int:
         if steps == args.warmup_steps and cuda:
             torch.cuda.set_sync_debug_mode("warn")
         found.clear()
-        before = alloc_stats()
-        engine.step()
-        after = alloc_stats()
+        with allocator_calls(engine.device) as calls:
+            engine.step()
         steps += 1
         passes, runner.step_log = runner.step_log, []
         if steps <= args.warmup_steps:
@@ -119,8 +113,8 @@ def main() -> int:
         for place in found:
             counts[place][kind] += 1
         counts["(steps)"][kind] += 1
-        for key in alloc_keys:
-            allocator[key][kind] += after[key] - before[key]
+        for key, n in calls.items():
+            allocator[key][kind] += n
     if cuda:
         torch.cuda.set_sync_debug_mode("default")
     steps_by_kind = counts.pop("(steps)")
@@ -135,7 +129,7 @@ def main() -> int:
     for row in phases:
         print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
     print("caching allocator calls during the audited steps, by step kind:")
-    for key in alloc_keys:
+    for key in ALLOCATOR_COUNTERS:
         print(f"  {key}: {dict(allocator[key])}")
     if args.output_json:
         with open(args.output_json, "w") as f:

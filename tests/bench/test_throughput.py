@@ -93,3 +93,24 @@ def test_python_m_bad_option_is_a_clear_error(capsys):
     assert throughput.main(["--num-prompts", "1", "--workload", "sharegpt", "--max-model-len",
                             "-3", *SMALL]) == 2
     assert "pagedkv bench throughput: error:" in capsys.readouterr().err
+
+
+def test_allocator_calls_counts_the_driver_calls_inside_the_block(monkeypatch):
+    """`allocator_calls` reports how many cudaMalloc / cudaFree / retries the caching allocator
+    made inside the block (from `torch.cuda.memory_stats`), and nothing off CUDA."""
+    import types
+
+    import torch
+
+    from pagedkv.bench.common import ALLOCATOR_COUNTERS, allocator_calls
+
+    with allocator_calls(torch.device("cpu")) as calls:
+        pass
+    assert calls == {}
+    stats = {"num_device_alloc": 10, "num_device_free": 4, "num_alloc_retries": 0, "other": 7}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    with allocator_calls(types.SimpleNamespace(type="cuda")) as calls:
+        assert calls == {}  # filled in when the block ends
+        stats.update(num_device_alloc=13, num_device_free=5, num_alloc_retries=1)
+    assert calls == {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 1}
+    assert set(calls) == set(ALLOCATOR_COUNTERS)

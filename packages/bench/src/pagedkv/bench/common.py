@@ -1,5 +1,6 @@
 """Output helpers shared by the engine benchmarks: a readable table, the closing JSON line, and
-the Triton compiles that happen inside a timed run. (Their setup: :mod:`pagedkv.bench.env`.)"""
+what stalls a timed run from outside our code: Triton compiles and the caching allocator's
+calls to the driver. (Their setup: :mod:`pagedkv.bench.env`.)"""
 
 from __future__ import annotations
 
@@ -37,6 +38,36 @@ def triton_compiles() -> Iterator[list[str]]:
         yield names
     finally:
         runtime.jit_post_compile_hook = previous
+
+
+#: The CUDA caching allocator's counts of its calls to the driver (`torch.cuda.memory_stats`):
+#: `cudaMalloc`s, `cudaFree`s, and retries (a failed `cudaMalloc` after which the allocator frees
+#: its cached blocks and tries again). A `cudaFree` synchronizes the device, so inside a timed
+#: run under asynchronous scheduling each one holds the host until the queued passes end.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_counts(device: Any) -> dict[str, int]:
+    """`ALLOCATOR_COUNTERS` of `device` now ({} for a device that is not CUDA)."""
+    if getattr(device, "type", None) != "cuda":
+        return {}
+    import torch
+
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
+@contextmanager
+def allocator_calls(device: Any) -> Iterator[dict[str, int]]:
+    """The caching allocator's driver calls inside the block (`ALLOCATOR_COUNTERS`), filled in
+    when it ends; empty off CUDA."""
+    calls: dict[str, int] = {}
+    before = allocator_counts(device)
+    try:
+        yield calls
+    finally:
+        after = allocator_counts(device)
+        calls.update({k: after[k] - before[k] for k in after})
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

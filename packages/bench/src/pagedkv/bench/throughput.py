@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.bench.common import (
+    allocator_calls,
     engine_benchmark_parser,
     print_json_line,
     print_table,
@@ -427,11 +428,14 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
           f"{_num_gpu_blocks(engine)} KV blocks; env {env}")
 
     run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up: kernels, allocator, graphs
-    with triton_compiles() as compiled:
+    with triton_compiles() as compiled, allocator_calls(engine.device) as allocator:
         run = run_pagedkv(engine, reqs, record=True)
     if compiled:
         logger.warning("Triton compiled %d kernel variants during the timed run: %s",
                        len(compiled), ", ".join(compiled))
+    if allocator.get("num_device_free") or allocator.get("num_alloc_retries"):
+        logger.warning("the CUDA caching allocator freed memory during the timed run (each "
+                       "cudaFree synchronizes the device): %s", allocator)
     if run.output_tokens != n_out:
         raise RuntimeError(f"pagedkv produced {run.output_tokens} tokens, expected {n_out}")
     secs = run.seconds
@@ -449,7 +453,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "quantization": engine.args.quantization or "none",
                     "max_num_seqs": engine.args.max_num_seqs,
                     "triton_compiles_during_run": len(compiled),
-                    "triton_compiled_during_run": list(compiled), "env": env}
+                    "triton_compiled_during_run": list(compiled),
+                    "allocator_calls_during_run": allocator, "env": env}
 
     if args.roofline if args.roofline is not None else cuda:
         if not cuda:
