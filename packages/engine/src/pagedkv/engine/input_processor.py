@@ -154,7 +154,11 @@ class InputProcessor:
             return ids, prompt
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             ids = list(prompt)
-            for t in ids:
+            # Plain ints in the vocabulary are checked at C speed (a long prompt is 100k
+            # tokens); anything else goes through the loop that names the first bad one.
+            plain = (bool(ids) and set(map(type, ids)) == {int}
+                     and min(ids) >= 0 and max(ids) < self.vocab_size)  # fmt: skip
+            for t in () if plain else ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                     raise ValueError(
                         f"prompt token id {t!r} is not an int in [0, {self.vocab_size}) "
