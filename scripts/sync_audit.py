@@ -5,7 +5,7 @@ made it.
 Why: under asynchronous scheduling the host prepares pass N+1 while the GPU runs pass N. A
 call in that preparation that synchronizes (``.item()``, ``.tolist()`` of a device tensor, a
 copy from pageable memory, ``nonzero``...) makes the host wait for pass N, and the GPU then
-waits for the rest of the preparation: the fp8 real-ShareGPT runs on the H200 show 0.03-0.36 s
+waits for the rest of the preparation: the fp8 real-ShareGPT runs on the H200 show 0.02-0.36 s
 of such host time in their 16 prompt passes (``mixed_host_gap_seconds``), run to run. The
 engine's own wait for the pass in flight (an event) is not a torch sync and is not counted.
 
@@ -15,7 +15,10 @@ engine's own wait for the pass in flight (an event) is not a torch sync and is n
 
 Prints, per place (file:line of the innermost frame under ``pagedkv``/``pagedattn_kernels``),
 how many synchronizing calls it made in decode-only steps and in steps with prompt tokens,
-and the stack of its first one; ``--output-json`` writes the same.
+and the stack of its first one; the first ``--trace-steps`` steps' phases (schedule, launch,
+wait, update, output: the engine's step observer); and the CUDA caching allocator's
+``cudaMalloc``/``cudaFree``/retries by step kind, which the debug mode does not see though a
+``cudaFree`` synchronizes the device. ``--output-json`` writes the same.
 """
 
 from __future__ import annotations
