@@ -24,23 +24,11 @@ import time
 from pathlib import Path
 
 from host_overhead import TINY, _NoForward
+from phase_clock import PhaseClock
 
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.sampling_params import SamplingParams
-
-
-def _timed(obj, name: str, log: list) -> None:
-    """Replace `obj.name` by a wrapper that appends (name, seconds, tokens scheduled) to `log`."""
-    real = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = real(*args, **kwargs)
-        log.append((name, time.perf_counter() - t0, getattr(out, "num_batched_tokens", None)))
-        return out
-
-    setattr(obj, name, wrapper)
 
 
 def main() -> None:
@@ -70,24 +58,25 @@ def main() -> None:
     runner = engine.runner
     runner.model = _NoForward(TINY["hidden_size"], TINY["vocab_size"],
                               max(args.max_num_seqs, args.max_num_batched_tokens))  # fmt: skip
-    log: list = []
+    clock = PhaseClock()
     for name in ("schedule", "schedule_ahead"):
-        _timed(engine.scheduler, name, log)
-    _timed(runner, "run", log)
+        clock.wrap(engine.scheduler, name, name)
+    clock.wrap(runner, "run", "run")
+    runner.step_log = []  # the launched pass's (tokens, seqs, kv tokens, pairs)
     vocab = TINY["vocab_size"]
     for i, r in enumerate(reqs):
         ids = [int(t) % vocab for t in r["prompt_token_ids"]]
         engine.add_request(f"r{i}", ids, SamplingParams(
             max_tokens=int(r["output_len"]), temperature=0.0, ignore_eos=True, detokenize=False))
-    print("step  wall ms  phases (name ms [tokens])")
+    print("step  wall ms  tokens  phases (ms; schedule: the plain path, schedule_ahead: ahead)")
     for step in range(args.steps):
-        log.clear()
         t0 = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - t0
-        phases = "  ".join(f"{n} {s * 1e3:.1f}" + (f" [{k}]" if k is not None else "")
-                           for n, s, k in log)  # fmt: skip
-        print(f"{step:4d}  {wall * 1e3:7.1f}  {phases}")
+        tokens = sum(p[0] for p in runner.step_log)
+        runner.step_log.clear()
+        phases = "  ".join(f"{n} {s * 1e3:.1f}" for n, s in clock.take().items() if s)
+        print(f"{step:4d}  {wall * 1e3:7.1f}  {tokens:6d}  {phases}")
 
 
 if __name__ == "__main__":

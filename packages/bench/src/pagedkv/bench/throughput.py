@@ -20,6 +20,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -184,10 +185,12 @@ class _PassRecorder:
         scheduling a step launches one pass and waits for the one before)."""
         self._runner.step_log = None
         spans = self._gpu_events  # all done: the run synced
-        gpu = [a.elapsed_time(b) / 1e3 for a, b in spans]
-        between = [0.0] + [spans[i - 1][1].elapsed_time(spans[i][0]) / 1e3
-                           for i in range(1, len(spans))]  # fmt: skip
-        return gpu, between if spans else []
+        if not spans:
+            return [], []
+        gpu = [start.elapsed_time(end) / 1e3 for start, end in spans]
+        between = [0.0] + [prev_end.elapsed_time(start) / 1e3
+                           for (_, prev_end), (start, _) in pairwise(spans)]  # fmt: skip
+        return gpu, between
 
 
 def _num_gpu_blocks(engine: Any) -> int:

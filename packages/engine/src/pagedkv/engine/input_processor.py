@@ -156,14 +156,15 @@ class InputProcessor:
             ids = list(prompt)
             # Plain ints in the vocabulary are checked at C speed (a long prompt is 100k
             # tokens); anything else goes through the loop that names the first bad one.
-            plain = (bool(ids) and set(map(type, ids)) == {int}
-                     and min(ids) >= 0 and max(ids) < self.vocab_size)  # fmt: skip
-            for t in () if plain else ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise ValueError(
-                        f"prompt token id {t!r} is not an int in [0, {self.vocab_size}) "
-                        "(the model's vocabulary)"
-                    )
+            plain = (set(map(type, ids)) <= {int} and min(ids, default=0) >= 0
+                     and max(ids, default=0) < self.vocab_size)  # fmt: skip
+            if not plain:
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                        raise ValueError(
+                            f"prompt token id {t!r} is not an int in [0, {self.vocab_size}) "
+                            "(the model's vocabulary)"
+                        )
             if not ids:
                 raise ValueError("the prompt is empty; give at least one character or token")
             return ids, None

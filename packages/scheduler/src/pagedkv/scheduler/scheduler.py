@@ -171,12 +171,12 @@ class Scheduler:
             )
         # Plain ints >= 0 are checked at C speed (a long prompt is 100k tokens); anything
         # else goes through the loop that names the first bad one.
-        plain = set(map(type, tokens)) == {int} and min(tokens) >= 0
-        for t in () if plain else tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(
-                    f"request {request_id!r}: prompt token ids must be ints >= 0, found {t!r}"
-                )
+        if not (set(map(type, tokens)) == {int} and min(tokens) >= 0):
+            for t in tokens:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(
+                        f"request {request_id!r}: prompt token ids must be ints >= 0, found {t!r}"
+                    )
         if arrival_time is None:
             arrival_time = time.monotonic()
         elif isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float):
