@@ -9,9 +9,8 @@
 #   audit     the first 40 steps' phases and the caching allocator's calls by step kind, the
 #             fp8 run of 1,000 real ShareGPT requests (scripts/sync_audit.py)
 #   ratio     the fp8/bf16 ratio, RATIO_ROUNDS (1) rounds, with the new JSON fields
-#   mbtest    the GPU tests of decode batches split over two streams (PAGEDKV_MICROBATCH_FROM)
-#   mb        the run with large decode batches as two micro-batches on two streams against
-#             without: MB_RUNS lists KIND:FROM (FROM 0: off), run in turn
+#   trace     a profiler trace of prompt and early decode steps of the fp8 run: the CUDA
+#             runtime calls that keep the host waiting, with their stacks (scripts/step_trace.py)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/pagedkv-gpu-out}"
@@ -50,23 +49,16 @@ for part in "${parts[@]}"; do
         > "$OUT/sync_audit_fp8_$C.log" 2>&1
       quiet < "$OUT/sync_audit_fp8_$C.log" | head -80
       ;;
+    trace)
+      timeout 300 "$PYTHON" scripts/step_trace.py "${ENGINE[@]}" "${FP8[@]}" --dataset .gpu_data/sharegpt_1000.json \
+        --num-prompts 1000 --steps "${TRACE_STEPS:-2-4,8-10,16-26}" --trace-dir /tmp/step_traces \
+        --output-json "$OUT/step_trace_fp8_$C.json" > "$OUT/step_trace_fp8_$C.log" 2>&1
+      quiet < "$OUT/step_trace_fp8_$C.log" | grep -v -e USDT -e "req/s" | head -150
+      for f in /tmp/step_traces/*.json; do gzip -c "$f" > "$OUT/$(basename "$f" .json)_$C.json.gz"; done
+      ls -la "$OUT"
+      ;;
     ratio)
       RATIO_ROUNDS=${RATIO_ROUNDS:-1} bash scripts/gpu_fp8.sh ratio
-      ;;
-    mbtest)
-      timeout 300 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_engine_gpu.py \
-        -k "two_streams or recorder or identical" 2>&1 | tail -5 | tee "$OUT/microbatch_gpu_tests_$C.log"
-      ;;
-    mb)
-      for run in ${MB_RUNS:-fp8:384 fp8:0 bf16:384 bf16:0}; do
-        kind=${run%%:*}; from=${run##*:}
-        extra=(); [[ $kind == fp8 ]] && extra=("${FP8[@]}")
-        PAGEDKV_MICROBATCH_FROM=$from timeout 300 "$PYTHON" -m pagedkv.bench.throughput "${ENGINE[@]}" "${extra[@]}" \
-          --num-prompts 1000 --dataset .gpu_data/sharegpt_1000.json --workload-seed 0 \
-          --output-json "$OUT/throughput_llama3_8b_sharegpt_real_${kind}_mb${from}_$C.json" 2>&1 \
-          | grep -E "^\{'output|Error|error" | head -5
-        echo "$kind from $from: $("$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print(round(d['output_tok_s']), {k: round(v['gpu_ms_mean'], 2) for k, v in d['decode_host_gap_by_batch'].items()})" "$OUT/throughput_llama3_8b_sharegpt_real_${kind}_mb${from}_$C.json" 2>&1)"
-      done
       ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

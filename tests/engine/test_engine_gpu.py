@@ -165,20 +165,3 @@ def test_throughput_recorder_reads_each_pass_on_the_device(graph_engine):
     waits = report["mixed_device_wait_seconds"] + report["decode_device_wait_seconds"]
     assert waits == pytest.approx(sum(run.between_seconds))
     assert all("wait_before_ms" in row for row in report["mixed_pass_trace"])
-
-
-def test_decode_batches_split_over_two_streams_give_the_same_tokens(graph_engine, model_path,
-                                                                    monkeypatch):
-    """`PAGEDKV_MICROBATCH_FROM`: decode batches of 4 or more sequences as two micro-batches
-    on two streams (asynchronous scheduling writes the pending tokens into both halves)."""
-    from pagedkv.engine.worker import model_runner
-
-    prompts = PROMPTS * 3
-    want = [o.outputs[0].token_ids for o in run_all(graph_engine, prompts, _greedy(24))]
-    monkeypatch.setattr(model_runner, "MICROBATCH_FROM", 4)
-    split = _engine(model_path)
-    two = split.runner.two_streams
-    assert two is not None and two.min_seqs == 4
-    got = [o.outputs[0].token_ids for o in run_all(split, prompts, _greedy(24))]
-    assert two.replays > 0, "no decode batch was split"
-    assert got == want

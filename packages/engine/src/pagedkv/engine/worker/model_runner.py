@@ -41,7 +41,6 @@ from pagedkv.engine.outputs import PositionLogprobs, RunnerOutput
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.decode_plans import DecodePlanner
 from pagedkv.engine.worker.inputs import StepBatch, build_inputs, step_batch
-from pagedkv.engine.worker.microbatch import MICROBATCH_FROM, TwoStreamDecode, split_rows
 from pagedkv.engine.worker.piecewise_graphs import PiecewiseGraphs, piecewise_token_sizes
 from pagedkv.engine.worker.sampler import prompt_logprobs
 from pagedkv.engine.worker.sampling import BatchSampler
@@ -77,15 +76,6 @@ class PendingTokens:
         n = len(self.rows)
         both = to_device(self.rows + self.sources, input_ids.device)  # one copy, pinned
         input_ids.index_copy_(0, both[:n], self.tokens.index_select(0, both[n:]))
-
-    def split(self, h: int) -> tuple[PendingTokens | None, PendingTokens | None]:
-        """The placeholders of rows ``< h`` and of rows ``>= h`` (renumbered from 0), for two
-        micro-batches of one decode batch; None for a half without any."""
-        halves: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
-        for r, s in zip(self.rows, self.sources):
-            halves[r >= h].append((r if r < h else r - h, s))
-        return tuple(PendingTokens([r for r, _ in p], [s for _, s in p], self.tokens) if p
-                     else None for p in halves)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -248,18 +238,6 @@ class ModelRunner:
                                              device=device, dtype=self.dtype)
             self.piecewise.capture()
         self.piecewise_replays = 0
-        # Large decode batches as two micro-batches on two streams (off by default:
-        # `microbatch.MICROBATCH_FROM`); one GPU, as the piecewise graphs.
-        self.two_streams: TwoStreamDecode | None = None
-        if self.graphs is not None and args.tensor_parallel_size == 1 and MICROBATCH_FROM:
-            second = DecodeGraphs(
-                self.model, self.kv_caches, block_size=self.block_size,
-                max_model_len=self.max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
-                max_num_seqs=split_rows(self.graphs.sizes[-1]), device=device,
-                planner=self.planner,
-            )
-            second.capture()
-            self.two_streams = TwoStreamDecode(self.graphs, second, MICROBATCH_FROM, device)
         if device.type == "cuda" and args.tensor_parallel_size == 1:
             # compile the greedy argmax now, not in the first step (tensor-parallel ranks
             # reduce their vocabulary slices another way: RankRunner.greedy_tokens)
@@ -367,8 +345,6 @@ class ModelRunner:
         graphs that captured its collectives are alive."""
         if self.graphs is not None:
             self.graphs.release()
-        if self.two_streams is not None:
-            self.two_streams.second.release()
         if self.piecewise is not None:
             self.piecewise.release()
         if self.device.type == "cuda":
@@ -490,14 +466,10 @@ class ModelRunner:
         graphs = self.graphs
         b = graphs.size_for(batch.num_seqs) if graphs is not None else None
         if b is not None and batch.is_decode:
+            write = pending.write_into if pending is not None else None
             ids = [t[0] for t in batch.token_ids]
             self._begin_span()
-            two = self.two_streams
-            if two is not None and two.applies(batch.num_seqs):
-                hidden = two.replay(ids, batch.starts, batch.block_tables, pending)
-            else:
-                write = pending.write_into if pending is not None else None
-                hidden = graphs.replay(ids, batch.starts, batch.block_tables, b, write)
+            hidden = graphs.replay(ids, batch.starts, batch.block_tables, b, write)
             self.graph_replays += 1
             if prompt_rows:
                 rows = batch.sample_idx + prompt_rows
