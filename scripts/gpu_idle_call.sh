@@ -9,6 +9,7 @@
 #   audit     the first 40 steps' phases and the caching allocator's calls by step kind, the
 #             fp8 run of 1,000 real ShareGPT requests (scripts/sync_audit.py)
 #   ratio     the fp8/bf16 ratio, RATIO_ROUNDS (1) rounds, with the new JSON fields
+#   graphtests  the engine's GPU tests of decode graphs (test_runner_graph_inputs, test_engine_gpu)
 #   trace     a profiler trace of prompt and early decode steps of the fp8 run: the CUDA
 #             runtime calls that keep the host waiting, with their stacks (scripts/step_trace.py)
 set -uo pipefail
@@ -48,6 +49,10 @@ for part in "${parts[@]}"; do
         --num-prompts 1000 --warmup-steps 0 --trace-steps 40 --output-json "$OUT/sync_audit_fp8_$C.json" \
         > "$OUT/sync_audit_fp8_$C.log" 2>&1
       quiet < "$OUT/sync_audit_fp8_$C.log" | head -80
+      ;;
+    graphtests)
+      timeout 300 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_runner_graph_inputs.py \
+        tests/engine/test_engine_gpu.py 2>&1 | tail -5 | tee "$OUT/graph_gpu_tests_$C.log"
       ;;
     trace)
       timeout 300 "$PYTHON" scripts/step_trace.py "${ENGINE[@]}" "${FP8[@]}" --dataset .gpu_data/sharegpt_1000.json \
