@@ -6,6 +6,10 @@ sequences, so a run meets every larger graph for the first time inside the timed
 first decode pass after the prompt passes of an fp8 run waited 57 ms on the H200). If first
 replays cost more, the engine should replay each graph once after capturing it.
 
+(It does since 2026-12-03: on the H200 the first replay cost 0.5-0.9 ms more host time and
+0.1-0.6 ms more device time, ``gpu_runs/2026-12-03e/``. What this script now calls the first
+replay of a decode graph is its second; the piecewise graphs are not replayed at capture.)
+
     python scripts/graph_first_replay.py --model meta-llama/Meta-Llama-3-8B --load-format dummy \\
         --dtype bfloat16 --max-model-len 2048 --max-num-seqs 1024 \\
         --max-num-batched-tokens 16384 [--quantization fp8 --kv-cache-dtype fp8]

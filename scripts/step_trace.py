@@ -10,6 +10,12 @@ call that waits shows here as a long CUDA runtime call on the host (``cudaStream
 ``cudaEventSynchronize``, a ``cudaMemcpyAsync`` from pageable memory, ``cudaHostAlloc``,
 ``cudaMalloc``, or a launch blocked on a full queue).
 
+What it found there (``gpu_runs/2026-12-03e/``): no runtime call took over 3.2 ms, but the
+``aten::mm`` of the logits blocked the host 15-245 ms whenever cuBLAS chose a kernel it had not
+used before, until the GPU had run everything queued: CUDA's lazy loading of that kernel. The
+runner now runs the logits for every row count at start-up (``_load_logits_kernels``). To see
+such a wait, look for an op that is long on the host with no long runtime call inside.
+
     python scripts/step_trace.py --model meta-llama/Meta-Llama-3-8B --load-format dummy \\
         --dtype bfloat16 --dataset .gpu_data/sharegpt_1000.json --num-prompts 1000 \\
         --max-model-len 2048 --max-num-seqs 1024 --max-num-batched-tokens 16384 \\
