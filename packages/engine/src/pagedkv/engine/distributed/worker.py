@@ -71,6 +71,10 @@ class RankRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         head = getattr(self.model, "lm_head", None)
         self._head = self.model.embed_tokens if head is None else head
+        if self.device.type == "cuda" and ctx.world_size > 1:
+            # this rank's slice of the logits, as `greedy_tokens` computes it (no collective)
+            self._load_logits_kernels(self.args.max_num_seqs,
+                                      lambda h: F.linear(h, self._head.weight))  # fmt: skip
         # per-step timings with PAGEDKV_TP_DIAG=1 (`step_timing`); None: nothing recorded
         self.timings = StepTimings(self.device) if diag_enabled() else None
 

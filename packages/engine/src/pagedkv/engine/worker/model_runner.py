@@ -239,9 +239,14 @@ class ModelRunner:
             self.piecewise.capture()
         self.piecewise_replays = 0
         if device.type == "cuda" and args.tensor_parallel_size == 1:
-            # tensor-parallel ranks reduce their vocabulary slices another way
-            # (RankRunner.greedy_tokens) and are left out
-            self._load_logits_kernels(args.max_num_seqs)
+            # compile the greedy argmax now, not in the first step, and load the logits'
+            # kernels (tensor-parallel ranks reduce their vocabulary slices another way:
+            # RankRunner.greedy_tokens, and load their slice's kernels there)
+            with torch.inference_mode():
+                self.greedy_tokens(torch.zeros(1, self.config.hidden_size, dtype=self.dtype,
+                                               device=device))  # fmt: skip
+            self._load_logits_kernels(
+                args.max_num_seqs, lambda h: self.model.compute_logits(h, float32=False))
         # Asynchronous scheduling: the argmax of the step launched last, on the device, and
         # the row of each sampling sequence in it; two host buffers for the ids, used in turn.
         self._last_tokens: torch.Tensor | None = None
@@ -504,9 +509,10 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def _load_logits_kernels(self, max_rows: int) -> None:
-        """Run the logits and the greedy argmax once for every row count a step can sample
-        (1 to `max_rows`), so that every kernel they use is loaded now, not in a step.
+    def _load_logits_kernels(self, max_rows: int, logits) -> None:
+        """Run `logits(hidden)` (the product with the vocabulary, or a rank's slice of it)
+        once for every row count a step can sample (1 to `max_rows`), so that every kernel it
+        uses is loaded now, not in a step.
 
         The logits are computed outside the CUDA graphs, on as many rows as sequences
         sample, and cuBLAS picks its kernel by that count. CUDA loads a kernel on its first
@@ -515,12 +521,12 @@ class ModelRunner:
         that pass and the GPU for the host. On an H200 (Llama-3-8B, real ShareGPT run) the
         `aten::mm` of the logits blocked the host 15-245 ms at the first use of each new
         kernel, 0.3 ms otherwise (`scripts/step_trace.py`); the GPU sat idle 0.33 s of an
-        fp8 run (`*_device_wait_seconds`). This costs about a second at start-up."""
+        fp8 run (`*_device_wait_seconds`). For Llama-3-8B up to 1,024 rows this is about 0.7 s of
+        GPU work at start-up (by the roofline)."""
         hidden = torch.zeros(max_rows, self.config.hidden_size, dtype=self.dtype,
                              device=self.device)  # fmt: skip
-        self.greedy_tokens(hidden[:1])  # compiles the argmax kernel
         for rows in range(1, max_rows + 1):
-            self.model.compute_logits(hidden[:rows], float32=False)
+            logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
