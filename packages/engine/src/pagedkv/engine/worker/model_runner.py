@@ -521,8 +521,8 @@ class ModelRunner:
         that pass and the GPU for the host. On an H200 (Llama-3-8B, real ShareGPT run) the
         `aten::mm` of the logits blocked the host 15-245 ms at the first use of each new
         kernel, 0.3 ms otherwise (`scripts/step_trace.py`); the GPU sat idle 0.33 s of an
-        fp8 run (`*_device_wait_seconds`). For Llama-3-8B up to 1,024 rows this is about 0.7 s of
-        GPU work at start-up (by the roofline)."""
+        fp8 run (`*_device_wait_seconds`). For Llama-3-8B up to 1,024 rows this costs about
+        0.7 s of GPU work at start-up (by the roofline)."""
         hidden = torch.zeros(max_rows, self.config.hidden_size, dtype=self.dtype,
                              device=self.device)  # fmt: skip
         for rows in range(1, max_rows + 1):
