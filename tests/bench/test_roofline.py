@@ -97,3 +97,14 @@ def test_roofline_report_splits_gpu_busy_from_host_wait(llama8b) -> None:
     mismatched = roofline_report(cost, hw, passes, steps, wall_seconds=sum(steps),
                                  gpu_seconds=gpu, between_seconds=[0.0])  # fmt: skip
     assert "decode_device_wait_seconds" not in mismatched
+
+
+def test_the_better_of_two_hardware_measurements_counts() -> None:
+    """A copy test that read low must not loosen the bound: each rate is the higher one."""
+    low = Hardware(bandwidth=3.8e12, matmul_flops=800e12, fp8_matmul_flops=1.40e15)
+    high = Hardware(bandwidth=4.25e12, matmul_flops=790e12, fp8_matmul_flops=None)
+    best = low.best(high)
+    assert (best.bandwidth, best.matmul_flops, best.fp8_matmul_flops) == (4.25e12, 800e12, 1.40e15)
+    assert high.best(low) == best
+    plain = Hardware(bandwidth=1.0, matmul_flops=2.0)
+    assert plain.best(plain).fp8_matmul_flops is None

@@ -29,6 +29,14 @@ class Hardware:
     matmul_flops: float  # FLOP/s of a large matmul in the model's dtype
     fp8_matmul_flops: float | None = None  # FLOP/s of a large fp8 scaled matmul (fp8 weights)
 
+    def best(self, other: Hardware) -> Hardware:
+        """The higher of each rate in two measurements of the same GPU: the tighter bound.
+        One copy test can read low (a throttled or shared moment); a bound from it would
+        flatter the run."""
+        fp8 = [f for f in (self.fp8_matmul_flops, other.fp8_matmul_flops) if f is not None]
+        return Hardware(max(self.bandwidth, other.bandwidth),
+                        max(self.matmul_flops, other.matmul_flops), max(fp8, default=None))
+
     def as_dict(self) -> dict[str, float]:
         out = {"hbm_gb_s": self.bandwidth / 1e9, "matmul_tflop_s": self.matmul_flops / 1e12}
         if self.fp8_matmul_flops is not None:

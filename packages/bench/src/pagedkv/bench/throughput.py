@@ -430,6 +430,15 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
           f"(mean {n_in / len(reqs):.0f} in, {n_out / len(reqs):.0f} out); "
           f"{_num_gpu_blocks(engine)} KV blocks; env {env}")
 
+    roofline = args.roofline if args.roofline is not None else cuda
+    if roofline and not cuda:
+        raise ValueError("--roofline measures a GPU; this run is on the CPU")
+    hw_before = None
+    if roofline:  # measured before and after the run: the better of each rate counts
+        from pagedkv.bench.roofline import measure_hardware
+
+        hw_before = measure_hardware(engine.device, mc.dtype,
+                                     fp8=engine.args.quantization == "fp8")  # fmt: skip
     run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up: kernels, allocator, graphs
     with triton_compiles() as compiled, allocator_calls(engine.device) as allocator:
         run = run_pagedkv(engine, reqs, record=True)
@@ -459,12 +468,13 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "triton_compiled_during_run": list(compiled),
                     "allocator_calls_during_run": allocator, "env": env}
 
-    if args.roofline if args.roofline is not None else cuda:
-        if not cuda:
-            raise ValueError("--roofline measures a GPU; this run is on the CPU")
+    if roofline:
         from pagedkv.bench.roofline import ModelCost, measure_hardware, roofline_report
 
-        hw = measure_hardware(engine.device, mc.dtype, fp8=engine.args.quantization == "fp8")
+        hw_after = measure_hardware(engine.device, mc.dtype,
+                                    fp8=engine.args.quantization == "fp8")  # fmt: skip
+        hw = hw_before.best(hw_after)
+        result["hardware_measured"] = {"before": hw_before.as_dict(), "after": hw_after.as_dict()}
         cost = ModelCost.of(_torch_model(engine), mc, mc.kv_bytes_per_token(_kv_dtype(engine)),
                             engine.args.tensor_parallel_size)
         result.update(roofline_report(cost, hw, run.passes, run.step_seconds, secs,
