@@ -435,7 +435,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
         raise ValueError("--roofline measures a GPU; this run is on the CPU")
     hw_before = None
     if roofline:  # measured before and after the run: the better of each rate counts
-        from pagedkv.bench.roofline import measure_hardware
+        from pagedkv.bench.roofline import ModelCost, measure_hardware, roofline_report
 
         hw_before = measure_hardware(engine.device, mc.dtype,
                                      fp8=engine.args.quantization == "fp8")  # fmt: skip
@@ -469,8 +469,6 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "allocator_calls_during_run": allocator, "env": env}
 
     if roofline:
-        from pagedkv.bench.roofline import ModelCost, measure_hardware, roofline_report
-
         hw_after = measure_hardware(engine.device, mc.dtype,
                                     fp8=engine.args.quantization == "fp8")  # fmt: skip
         hw = hw_before.best(hw_after)
