@@ -40,10 +40,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pagedkv.bench.throughput import _add_args, make_requests, run_pagedkv
+from pagedkv.bench.throughput import _add_args, add_requests, make_requests, run_pagedkv
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("step_trace")
 OURS = ("/pagedkv/", "/pagedattn_kernels/")
@@ -109,10 +108,7 @@ def main() -> int:
     cuda = engine.device.type == "cuda"
     reqs = make_requests(args, engine.model_config.vocab_size)
     run_pagedkv(engine, reqs[: min(8, len(reqs))])  # the benchmark's warm-up
-    for i, r in enumerate(reqs):
-        engine.add_request(f"trace-{i}", r.prompt_token_ids,
-                           SamplingParams(max_tokens=r.output_len, temperature=0.0,
-                                          ignore_eos=True, detokenize=False))  # fmt: skip
+    add_requests(engine, reqs, "trace")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     results = []
     step = 0

@@ -34,10 +34,9 @@ import warnings
 import torch
 
 from pagedkv.bench.common import ALLOCATOR_COUNTERS, allocator_calls
-from pagedkv.bench.throughput import _add_args, make_requests
+from pagedkv.bench.throughput import _add_args, add_requests, make_requests
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("sync_audit")
 OURS = ("/pagedkv/", "/pagedattn_kernels/")
@@ -67,10 +66,7 @@ def main() -> int:
         logger.warning("no CUDA device: the steps run, but no call can synchronize")
     engine.emit_partial_outputs = False
     reqs = make_requests(args, engine.model_config.vocab_size)
-    for i, r in enumerate(reqs):
-        engine.add_request(f"audit-{i}", r.prompt_token_ids,
-                           SamplingParams(max_tokens=r.output_len, temperature=0.0,
-                                          ignore_eos=True, detokenize=False))  # fmt: skip
+    add_requests(engine, reqs, "audit")
     runner = engine.runner
     runner.step_log = []  # (tokens, seqs, kv_tokens, pairs) of each pass, as the benchmark's
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

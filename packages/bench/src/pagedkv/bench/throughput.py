@@ -218,20 +218,26 @@ class PagedRun:
     between_seconds: list[float]  # device time from the pass before to each (GPU runs only)
 
 
-def run_pagedkv(engine, reqs: list[BenchRequest], *, record: bool = False) -> PagedRun:
-    """Run every request to completion through one engine; with `record`, log each step's
-    forward pass and time for the roofline."""
+def add_requests(engine, reqs: list[BenchRequest], prefix: str = "bench") -> None:
+    """Queue `reqs` as the benchmark runs them: greedy, each to its output length (EOS
+    ignored), token ids only; ids `{prefix}-{i}`."""
     from pagedkv.engine.sampling_params import SamplingParams
 
-    recorder = _PassRecorder(engine, record)
-    produced = 0
-    start = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.add_request(
-            f"bench-{i}", r.prompt_token_ids,
+            f"{prefix}-{i}", r.prompt_token_ids,
             SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True,
                            detokenize=False),
         )
+
+
+def run_pagedkv(engine, reqs: list[BenchRequest], *, record: bool = False) -> PagedRun:
+    """Run every request to completion through one engine; with `record`, log each step's
+    forward pass and time for the roofline."""
+    recorder = _PassRecorder(engine, record)
+    produced = 0
+    start = time.perf_counter()
+    add_requests(engine, reqs)
     bar = _progress(len(reqs), "pagedkv")
     recorder.start()
     while engine.has_unfinished_requests():

@@ -72,9 +72,7 @@ class RankRunner(ModelRunner):
         head = getattr(self.model, "lm_head", None)
         self._head = self.model.embed_tokens if head is None else head
         if self.device.type == "cuda" and ctx.world_size > 1:
-            # this rank's slice of the logits, as `greedy_tokens` computes it (no collective)
-            self._load_logits_kernels(self.args.max_num_seqs,
-                                      lambda h: F.linear(h, self._head.weight))  # fmt: skip
+            self._load_logits_kernels(self.args.max_num_seqs)  # its slice: no collective
         # per-step timings with PAGEDKV_TP_DIAG=1 (`step_timing`); None: nothing recorded
         self.timings = StepTimings(self.device) if diag_enabled() else None
 
@@ -126,11 +124,17 @@ class RankRunner(ModelRunner):
         if self.ctx.world_size == 1:
             return super().greedy_tokens(hidden)
         head = self._head
-        local = F.linear(hidden, head.weight)
+        local = self.greedy_logits(hidden)
         valid = head.vocab_end - head.vocab_start
         if valid < local.shape[-1]:
             local[:, valid:] = float("-inf")  # the padding rows of the last slice
         return argmax_over_ranks(local, head.vocab_start, self.ctx.tp)
+
+    def greedy_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits (the whole vocabulary on one rank)."""
+        if self.ctx.world_size == 1:
+            return super().greedy_logits(hidden)
+        return F.linear(hidden, self._head.weight)
 
     def timing_summary(self) -> dict[str, Any]:
         """This rank's per-step timings since the last call (`StepTimings.summary`); empty

@@ -245,8 +245,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self.greedy_tokens(torch.zeros(1, self.config.hidden_size, dtype=self.dtype,
                                                device=device))  # fmt: skip
-            self._load_logits_kernels(
-                args.max_num_seqs, lambda h: self.model.compute_logits(h, float32=False))
+            self._load_logits_kernels(args.max_num_seqs)
         # Asynchronous scheduling: the argmax of the step launched last, on the device, and
         # the row of each sampling sequence in it; two host buffers for the ids, used in turn.
         self._last_tokens: torch.Tensor | None = None
@@ -509,10 +508,9 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def _load_logits_kernels(self, max_rows: int, logits) -> None:
-        """Run `logits(hidden)` (the product with the vocabulary, or a rank's slice of it)
-        once for every row count a step can sample (1 to `max_rows`), so that every kernel it
-        uses is loaded now, not in a step.
+    def _load_logits_kernels(self, max_rows: int) -> None:
+        """Run `greedy_logits` once for every row count a step can sample (1 to `max_rows`),
+        so that every kernel it uses is loaded now, not in a step.
 
         The logits are computed outside the CUDA graphs, on as many rows as sequences
         sample, and cuBLAS picks its kernel by that count. CUDA loads a kernel on its first
@@ -526,8 +524,13 @@ class ModelRunner:
         hidden = torch.zeros(max_rows, self.config.hidden_size, dtype=self.dtype,
                              device=self.device)  # fmt: skip
         for rows in range(1, max_rows + 1):
-            logits(hidden[:rows])
+            self.greedy_logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
+
+    def greedy_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits `greedy_tokens` takes the argmax of, in the model dtype (a
+        tensor-parallel rank: its own vocabulary slice)."""
+        return self.model.compute_logits(hidden, float32=False)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token id (int64, on the device) of each row of `hidden`, over the logits
@@ -537,7 +540,7 @@ class ModelRunner:
         spreads a row over many programs on a GPU, where torch's reduction is latency-bound
         at decode batch sizes (`ARGMAX_KERNEL`). A tensor-parallel rank overrides this to
         reduce its vocabulary slice with the others'."""
-        logits = self.model.compute_logits(hidden, float32=False)
+        logits = self.greedy_logits(hidden)
         return argmax_rows(logits) if ARGMAX_KERNEL else logits.argmax(dim=-1)
 
     def apply_block_ops(
