@@ -44,13 +44,12 @@ def _bound(xq, xs, wq, ws, dtype: torch.dtype, interpreted: bool) -> torch.Tenso
     return ref, u * ref.abs() + (1 + u) * (k + 3) * 2.0**-24 * (x @ w.T)
 
 
-# (M, N, K): one token, a few, a 16-token block exactly, past it, past 64, past 128 (one M
-# block of 128 and a tail tile of 32; 64 exactly), past 192 (two M blocks of 128); N and K
-# off every tile
+# (M, N, K): one token, a few, a 16-token block exactly, past it, past 64, past 128 (two M
+# blocks of 128); N and K off every tile
 SHAPES = [(1, 96, 256), (3, 80, 200), (16, 64, 192), (21, 48, 136), (70, 40, 96),
-          (150, 40, 96), (192, 24, 64), (230, 24, 64)]
+          (150, 40, 96)]
 FULL_SHAPES = [(1, 4096, 4096), (16, 6144, 4096), (37, 4096, 14336), (64, 28672, 4096),
-               (160, 6144, 4096), (176, 4096, 14336), (200, 1000, 1000)]  # fmt: skip
+               (200, 1000, 1000)]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
@@ -66,23 +65,19 @@ def test_fp8_matmul_within_bound(target, seed, dtype):
         assert worst <= 1.0, f"M={m} N={n} K={k}: |err| / bound {worst:.2f} (seed={seed})"
 
 
-@pytest.mark.parametrize("rows", ["tail", "two_blocks"])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_fp8_matmul_split_k(target, seed, split_k, rows):
+def test_fp8_matmul_split_k(target, seed, split_k):
     """Split-K (the partial sums of K ranges, added in split order and scaled by the tile's
     last split, ``merge_here``, or by a second kernel): within the bound, an empty last split
     included (K = 200 in steps of 64: splits of 2, 2, 0), into a given output with strided
-    rows, over one block of tokens and a tail tile (129-192 rows) or two blocks (a merge count
-    per (M block, N block)); the same bits on a second call and from both merges; the merge's
-    counts left at zero for the next call."""
+    rows, over two blocks of tokens (a merge count per (M block, N block)); the same bits on
+    a second call and from both merges; the merge's counts left at zero for the next call."""
     if target.backend != "triton":
         pytest.skip("a Triton kernel option")
     from pagedattn_kernels.quant import triton_launch as ql
 
     gen = target.generator(seed)
-    m = {"tail": 150, "two_blocks": 200 if target.full else 230}[rows]
-    n, k = (80, 200) if not target.full else (4096, 14336)
-    assert (ql.tail_rows(m) > 0) == (rows == "tail")
+    m, n, k = (150, 80, 200) if not target.full else (200, 4096, 14336)
     cfg = ql.Fp8MatmulConfig(block_n=32 if not target.full else 128, block_k=64,
                              split_k=split_k, num_stages=1 if not target.full else 4)  # fmt: skip
     xq, xs, wq, ws = _operands(gen, m, n, k, target.device)
@@ -146,16 +141,6 @@ def test_pick_config_follows_the_shape():
         assert {name: cfg.num_stages for name, cfg in small.items()} == {
             "gate_up": 4, "down": 8, "o": 6}
     assert pick_config(33, 4096, 4096, sms=132).block_k == 128  # past 32 rows: as before
-
-
-def test_tail_rows():
-    """The tail tile takes the rows past one 128-row block up to 64 more, in a power-of-two
-    width from 16; with fewer or more rows there is none."""
-    from pagedattn_kernels.quant.triton_launch import tail_rows
-
-    widths = {m: tail_rows(m) for m in (1, 64, 128, 129, 144, 145, 160, 161, 192, 193, 256)}
-    assert widths == {1: 0, 64: 0, 128: 0, 129: 16, 144: 16, 145: 32, 160: 32, 161: 64,
-                      192: 64, 193: 0, 256: 0}
 
 
 def test_fp8_matmul_empty_shapes():

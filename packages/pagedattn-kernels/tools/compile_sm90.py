@@ -345,15 +345,6 @@ def _fp8_variants() -> None:
                 quant.fp8_matmul(torch.empty(m, 4096, dtype=kc.dtype), torch.ones(m), wq,
                                  torch.ones(6144), torch.empty(m, 6144, dtype=dtype),
                                  quant.Fp8MatmulConfig(split_k=split))  # fmt: skip
-        # 129-192 rows: a 128-row block and a tail tile (TAIL_M), with the tiles pick_config
-        # gives Llama-3-8B's gate/up, down (split in two) and Q/K/V past 32 rows
-        for m in (144, 160, 192):
-            for n, k, cfg in ((28672, 4096, quant.Fp8MatmulConfig(128, 128, 1, 4, 4)),
-                              (4096, 14336, quant.Fp8MatmulConfig(64, 256, 2, 4, 4)),
-                              (6144, 4096, quant.Fp8MatmulConfig(64, 128, 1, 4, 6))):
-                quant.fp8_matmul(torch.empty(m, k, dtype=kc.dtype), torch.ones(m),
-                                 torch.empty(n, k, dtype=kc.dtype), torch.ones(n),
-                                 torch.empty(m, n, dtype=dtype), cfg)  # fmt: skip
         x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
         fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
         fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)

@@ -235,7 +235,6 @@ def fp8_matmul_kernel(
     PROMOTE: tl.constexpr,
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
-    TAIL_M: tl.constexpr = 0,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
@@ -268,12 +267,7 @@ def fp8_matmul_kernel(
     PREFETCH (with PDL; bytes, a power of two from 128): before waiting for the kernel that
     makes xq, ask L2 for the first PREFETCH bytes of each of this program's weight rows (one
     ``prefetch.global.L2`` per 128-byte line): the weights do not depend on that kernel, so
-    they stream in while it still runs, and the pipeline's first loads find them in L2.
-
-    TAIL_M (a power of two, with a single M block): the program also multiplies rows
-    [BLOCK_M, BLOCK_M + TAIL_M) by the same weight tile, in a second, narrower accumulator.
-    For 129-192 rows that computes 144-192 columns of tokens instead of a second 128-wide
-    block (or one 256-wide tile), and reads each weight tile once."""
+    they stream in while it still runs, and the pipeline's first loads find them in L2."""
     if PDL and PREFETCH > 0:
         lines = tl.program_id(2) * k_chunk + tl.arange(0, PREFETCH // 128) * 128
         pn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
@@ -294,10 +288,6 @@ def fp8_matmul_kernel(
     k_lo = pid_k * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, K)
     acc = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
-    if TAIL_M:
-        rt = BLOCK_M + tl.arange(0, TAIL_M)
-        xt_ptrs = xq_ptr + (rt % M).to(tl.int64)[None, :] * stride_xm + rk[:, None]
-        acc_t = tl.full([BLOCK_N, TAIL_M], 0.0, tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs + k)
@@ -305,62 +295,31 @@ def fp8_matmul_kernel(
         else:
             w = tl.load(w_ptrs + k, mask=(k + rk < K)[None, :], other=0.0)
             x = tl.load(x_ptrs + k, mask=(k + rk < K)[:, None], other=0.0)
-        acc = _mma(w, x, acc, BLOCK_K, UPCAST, PROMOTE)
-        if TAIL_M:
-            if EVEN_K:
-                xt = tl.load(xt_ptrs + k)
-            else:
-                xt = tl.load(xt_ptrs + k, mask=(k + rk < K)[:, None], other=0.0)
-            acc_t = _mma(w, xt, acc_t, BLOCK_K, UPCAST, PROMOTE)
+        if UPCAST:
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+        elif PROMOTE:
+            # Hopper's fp8 MMA keeps fewer bits than fp32 while it accumulates: promote each
+            # BLOCK_K slice into the fp32 accumulator (as cuBLAS does without fast accumulation).
+            # Unpromoted, an H200 was 1.1-2.75x past the exact-accumulation bound at K = 4096.
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(w, x, acc)
     mask = (rn < N)[:, None] & (rm < M)[None, :]
-    if TAIL_M:
-        mask_t = (rn < N)[:, None] & (rt < M)[None, :]
     if not SPLIT:
         _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask)
-        if TAIL_M:
-            _store_scaled(acc_t, y_ptr, x_scale_ptr, w_scale_ptr, rn, rt, M, N, stride_ym,
-                          mask_t)  # fmt: skip
     else:
         part = part_ptr + rm[None, :] * N + rn[:, None]
         tl.store(part + pid_k * M * N, acc, mask=mask)
-        if TAIL_M:
-            part_t = part_ptr + rt[None, :] * N + rn[:, None]
-            tl.store(part_t + pid_k * M * N, acc_t, mask=mask_t)
         if MERGE_HERE:
             tl.debug_barrier()  # every thread's partial is stored before the count moves
             counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
             if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-                _merge_splits(part, mask, splits, M, N, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm,
-                              stride_ym, BLOCK_N, BLOCK_M)  # fmt: skip
-                if TAIL_M:
-                    _merge_splits(part_t, mask_t, splits, M, N, y_ptr, x_scale_ptr, w_scale_ptr,
-                                  rn, rt, stride_ym, BLOCK_N, TAIL_M)  # fmt: skip
+                total = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+                for s in range(splits):  # from L2 (".cg"): other SMs wrote them
+                    total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_scaled(total, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
+                              mask)  # fmt: skip
                 tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _mma(w, x, acc, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PROMOTE: tl.constexpr):
-    """``acc + w @ x`` for ``fp8_matmul_kernel`` (its UPCAST and PROMOTE say how)."""
-    if UPCAST:
-        return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-    elif PROMOTE:
-        # Hopper's fp8 MMA keeps fewer bits than fp32 while it accumulates: promote each
-        # BLOCK_K slice into the fp32 accumulator (as cuBLAS does without fast accumulation).
-        # Unpromoted, an H200 was 1.1-2.75x past the exact-accumulation bound at K = 4096.
-        return tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
-    else:
-        return tl.dot(w, x, acc)
-
-
-@triton.jit
-def _merge_splits(part, mask, splits, M, N, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, stride_ym,
-                  BLOCK_N: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
-    """The last split of a tile to finish sums the tile's partials in split order and stores
-    y (``fp8_matmul_kernel``'s MERGE_HERE)."""
-    total = tl.full([BLOCK_N, COLS], 0.0, tl.float32)
-    for s in range(splits):  # from L2 (".cg"): other SMs wrote them
-        total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-    _store_scaled(total, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask)
 
 
 @triton.jit(do_not_specialize=["numel", "splits"])

@@ -136,13 +136,6 @@ class Fp8MatmulConfig:
 #: Most tokens per tile (the wgmma's N side, which goes to 256): 65-128 rows in one tile read
 #: the weights once instead of twice.
 MAX_BLOCK_M = 128
-#: Past MAX_BLOCK_M rows, up to this many more ride in a second, narrower tile of the same
-#: programs (``fp8_matmul_kernel``'s TAIL_M): 129-192 rows compute 144-192 token columns and
-#: read each weight tile once, where two 128-row blocks (or one 256-wide tile) compute 256.
-MAX_TAIL_M = 64
-#: Shared memory the pipeline of a program with a tail tile may take (sm_90 has 227 KB a
-#: block): its stages are cut to fit.
-TAIL_SMEM_BYTES = 200 * 1024
 _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
 
 
@@ -230,14 +223,6 @@ def _parse_prefetch(raw: str) -> int:
     return value
 
 
-def tail_rows(m: int) -> int:
-    """``fp8_matmul_kernel``'s TAIL_M for ``m`` rows: the second tile's width (a power of two
-    from 16) when the rows past one full block of ``MAX_BLOCK_M`` fit ``MAX_TAIL_M``, else 0."""
-    if MAX_BLOCK_M < m <= MAX_BLOCK_M + MAX_TAIL_M:
-        return max(16, next_power_of_2(m - MAX_BLOCK_M))
-    return 0
-
-
 def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                w_scale: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None = None,
                fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
@@ -254,14 +239,9 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     sms = sm_count(xq.device)
     cfg = config or (_INTERPRETER_CONFIG if interpreted else pick_config(m, n, k, sms, fast_accum))
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
-    tail_m = tail_rows(m)
     # A 128 x 128 float32 accumulator over 4 warps would take 128 registers a thread.
     num_warps = cfg.num_warps if block_m <= 64 or interpreted else max(cfg.num_warps, 8)
-    num_stages = cfg.num_stages
-    if tail_m:
-        per_stage = (cfg.block_n + block_m + tail_m) * cfg.block_k
-        num_stages = max(1, min(num_stages, TAIL_SMEM_BYTES // per_stage))
-    grid_mn = (1 if tail_m else -(-m // block_m), -(-n // cfg.block_n))
+    grid_mn = (-(-m // block_m), -(-n // cfg.block_n))
     k_iters = -(-k // cfg.block_k)
     # fp32 partials (split * M * N * 4 bytes) at most 1/8 of the e4m3 weights (N * K)
     split = cfg.split_k or auto_split(grid_mn[0] * grid_mn[1], k_iters, sms, max(1, k // (32 * m)))
@@ -278,8 +258,8 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
-        PROMOTE=cfg.promote, PDL=pdl, PREFETCH=prefetch, TAIL_M=tail_m, launch_pdl=pdl,
-        num_warps=num_warps, num_stages=num_stages,
+        PROMOTE=cfg.promote, PDL=pdl, PREFETCH=prefetch, launch_pdl=pdl, num_warps=num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
