@@ -135,7 +135,7 @@ def graph_plan(host_lens: list[int], dtype: torch.dtype, config, spec: str):
     min_chunk, scale = int(min_chunk), int(scale or 1)
     batch = len(host_lens)
     cfg = config or tl_launch.decode_config(HEAD_DIM, torch.bfloat16, False, dtype,
-                                            batch * KV_HEADS)  # fmt: skip
+                                            batch * KV_HEADS, planned=True)  # fmt: skip
     lanes = scale * max(1, cfg.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
                         // KV_HEADS)  # fmt: skip
     built = decode_plan.build_plan(host_lens, lanes, cfg.tile_n,

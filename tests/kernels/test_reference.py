@@ -57,11 +57,13 @@ def test_reference_cache_ops():
 def test_fp8_decode_tiles_by_pairs():
     """On fp8 caches, 256 (sequence, KV head) pairs or more take 64-token tiles of two warps,
     four programs per SM, and 512 or more 32-token tiles of one warp, eight per SM (faster
-    on an H200 with many programs, slower with few); 16-bit caches are unaffected; only
-    16-bit caches take the ragged tile into the loop."""
+    on an H200 with many programs, slower with few); by a plan, one warp from 64 pairs;
+    16-bit caches are unaffected; only 16-bit caches take the ragged tile into the loop."""
     from pagedattn_kernels.attention.triton_launch import (
         FP8_NARROW_TILE_PAIRS,
+        FP8_ONE_WARP,
         FP8_ONE_WARP_PAIRS,
+        FP8_PLANNED_ONE_WARP_PAIRS,
         decode_config,
     )  # fmt: skip
 
@@ -77,6 +79,11 @@ def test_fp8_decode_tiles_by_pairs():
         wide = decode_config(128, bf16, kv_dtype=fp8, num_pairs=pairs)
         assert (wide.tile_n, wide.num_warps, wide.num_stages) == (128, 4, 3)
     assert decode_config(128, bf16, num_pairs=4096) == decode_config(128, bf16)
+    planned = {pairs: decode_config(128, bf16, kv_dtype=fp8, num_pairs=pairs, planned=True)
+               for pairs in (FP8_PLANNED_ONE_WARP_PAIRS - 1, FP8_PLANNED_ONE_WARP_PAIRS, 300)}
+    assert planned[FP8_PLANNED_ONE_WARP_PAIRS - 1].tile_n == 128  # 1-7 sequences: wide
+    assert planned[FP8_PLANNED_ONE_WARP_PAIRS] == planned[300] == FP8_ONE_WARP
+    assert decode_config(128, bf16, num_pairs=128, planned=True) == decode_config(128, bf16)
     assert decode_config(256, bf16, kv_dtype=fp8, num_pairs=4096).tile_n == 64  # head dim 256
     assert decode_config(128, bf16, interpreted=True, kv_dtype=fp8, num_pairs=4096).num_stages == 1
 

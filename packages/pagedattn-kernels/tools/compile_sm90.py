@@ -286,7 +286,8 @@ def _planned(q, kc, bt, lens, config=None, **scales) -> None:
     """Decode by a plan (``decode_kernel``'s WORK variant and ``decode_merge_kernel``) with
     ``config`` (None: the launcher's)."""
     cfg = config or attention.decode_config(q.shape[2], q.dtype, kv_dtype=kc.dtype,
-                                            num_pairs=q.shape[0] * kc.shape[2])  # fmt: skip
+                                            num_pairs=q.shape[0] * kc.shape[2],
+                                            planned=True)  # fmt: skip
     plan = decode_plan.build_plan(lens.tolist(), 2, cfg.tile_n, min_chunk=cfg.tile_n)
     attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
                                      config=cfg, plan=plan, **scales)  # fmt: skip

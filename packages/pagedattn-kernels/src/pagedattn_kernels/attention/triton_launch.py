@@ -96,11 +96,14 @@ FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: never one warp).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
 FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
+#: ... but by a decode plan (``planned``) from this many pairs on: a plan cuts the contexts
+#: into chunks for all the lanes of eight programs an SM, which the automatic splits do not.
+FP8_PLANNED_ONE_WARP_PAIRS = 64
 
 
 def decode_config(
     head_dim: int, dtype: torch.dtype, interpreted: bool = False,
-    kv_dtype: torch.dtype | None = None, num_pairs: int | None = None,
+    kv_dtype: torch.dtype | None = None, num_pairs: int | None = None, planned: bool = False,
 ) -> DecodeConfig:  # fmt: skip
     """Wide key tiles (32 KB of K per step in 16-bit types), two pipeline stages: measured on
     an H200 (bench sweeps) at 96% of copy bandwidth for batch 64 x 4k context, against 71% for
@@ -136,13 +139,24 @@ def decode_config(
     against 31.8 at 32 x 900 (256). With fewer than ``FP8_NARROW_TILE_PAIRS`` pairs the wide
     tiles stay (narrow ones lost there: 43.0% against 61.7% at 16 x 8k, 36.1% against 47.3%
     at 1 x 32k). The ragged tile stays after the loop on fp8 caches: inside it was slower
-    there (8c1dddc)."""
+    there (8c1dddc).
+
+    ``planned`` (the call runs by a decode plan, ``attention.plan``): one warp from
+    ``FP8_PLANNED_ONE_WARP_PAIRS`` (64) pairs on. Without a plan one warp lost below 512 pairs
+    (above), but a plan balances the batch's contexts over all the lanes of eight programs an
+    SM. On an H200 (d6eeae7, ``scripts/gpu_tail_tile_call.sh attn``: Llama-3-8B heads, the
+    contexts of the real ShareGPT run's last decode steps, plans of min chunk 128, CUDA
+    graphs) one warp took 18.3 us against 19.6 for the wide tiles at 8 x 1,500, 24.1 against
+    27.8 at 16 x 1,400, 29.2 against 34.0 at 32 x 1,000, 36.9 against 36.9 at 64 x 700, and
+    lost at 1-4 sequences (13.8 against 11.1 us at 1 x 1,800, 15.5 against 14.6 at 4 x
+    1,600). In the fp8 run the passes of 1-64 sequences took 3.46 against 3.52 ms (14,954
+    against 14,848 tok/s, one round each)."""
     if interpreted:  # the interpreter pays per operation: few, wide tiles
         return DecodeConfig(tile_n=64, num_warps=4, num_stages=1)
     dpad = padded_head_dim(head_dim)
     if kv_dtype == FP8_DTYPE and dtype.itemsize == 2:
         if dpad <= 128 and num_pairs is not None:
-            if num_pairs >= FP8_ONE_WARP_PAIRS:
+            if num_pairs >= (FP8_PLANNED_ONE_WARP_PAIRS if planned else FP8_ONE_WARP_PAIRS):
                 return FP8_ONE_WARP
             if num_pairs >= FP8_NARROW_TILE_PAIRS:
                 return FP8_NARROW
@@ -297,7 +311,8 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     kernels = kernels_for(query.device, KERNELS)
     cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel),
-                                  key_cache.dtype, num_seqs * num_kv_heads)  # fmt: skip
+                                  key_cache.dtype, num_seqs * num_kv_heads,
+                                  planned=plan is not None)  # fmt: skip
     if plan is not None:
         return _planned_decode(kernels, cfg, plan, query, key_cache, value_cache, block_tables,
                                seq_lens, scale, out, k_scale, v_scale)  # fmt: skip
@@ -382,11 +397,12 @@ def decode_lanes(
     num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     kv_dtype: torch.dtype, device: torch.device,
 ) -> tuple[DecodeConfig, int]:  # fmt: skip
-    """The decode kernel's configuration for ``num_seqs`` rows, and how many of its programs
-    of one KV head the GPU runs at once (the plan's lanes: program slots over KV heads)."""
+    """The decode kernel's configuration for ``num_seqs`` rows by a plan (``decode_config``'s
+    ``planned``), and how many of its programs of one KV head the GPU runs at once (the plan's
+    lanes: program slots over KV heads)."""
     kernels = kernels_for(device, KERNELS)
     cfg = decode_config(head_dim, dtype, is_interpreted(kernels.decode_kernel), kv_dtype,
-                        num_seqs * num_kv_heads)  # fmt: skip
+                        num_seqs * num_kv_heads, planned=True)  # fmt: skip
     return cfg, max(1, cfg.per_sm * sm_count(device) // num_kv_heads)
 
 
