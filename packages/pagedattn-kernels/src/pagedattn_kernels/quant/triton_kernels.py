@@ -258,7 +258,9 @@ def fp8_matmul_kernel(
     valid rows (``% M``) made every one of a tile's 16 columns load the same row when M = 1,
     and on an H200 (CUDA graphs) a Llama-3-8B layer's four matmuls took 75.3 us at 1 row
     against 66.0 at 2, 63.0 at 4 and 62.8 at 16 (``scripts/fp8_weight_only_gemm.py --m 2 1
-    2 1 4 16``, d6eeae7): the duplicated copies cost as much as a sixth of the matmul. SPLIT: the raw fp32 sums go to ``part [splits, M, N]``; then either
+    2 1 4 16``, d6eeae7); masked, 61.3 / 61.4 / 61.8 / 62.6 at 1 / 2 / 4 / 16 (dd684d9).
+
+    SPLIT: the raw fp32 sums go to ``part [splits, M, N]``; then either
     ``fp8_matmul_reduce_kernel`` finishes, or (MERGE_HERE) the tile's last split to finish
     does: each split counts itself in ``counter_ptr`` (one int32 per tile, zero between
     calls), and the one that sees ``splits - 1`` before it sums the partials in split order
