@@ -147,8 +147,8 @@ def decode_config(
     SM. On an H200 (d6eeae7, ``scripts/gpu_tail_tile_call.sh attn``: Llama-3-8B heads, the
     contexts of the real ShareGPT run's last decode steps, plans of min chunk 128, CUDA
     graphs) one warp took 18.3 us against 19.6 for the wide tiles at 8 x 1,500, 24.1 against
-    27.8 at 16 x 1,400, 29.2 against 34.0 at 32 x 1,000, 36.9 against 36.9 at 64 x 700, and
-    lost at 1-4 sequences (13.8 against 11.1 us at 1 x 1,800, 15.5 against 14.6 at 4 x
+    27.8 at 16 x 1,400, 29.2 against 34.0 at 32 x 1,000 (at 64 x 700, 512 pairs, one warp was
+    already the choice: 36.9 against 46.2), and lost at 1-4 sequences (13.8 against 11.1 us at 1 x 1,800, 15.5 against 14.6 at 4 x
     1,600). In the fp8 run the passes of 1-64 sequences took 3.46 against 3.52 ms (14,954
     against 14,848 tok/s, one round each)."""
     if interpreted:  # the interpreter pays per operation: few, wide tiles
