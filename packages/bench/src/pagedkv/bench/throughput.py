@@ -443,8 +443,11 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     if roofline:  # measured before and after the run: the better of each rate counts
         from pagedkv.bench.roofline import ModelCost, measure_hardware, roofline_report
 
-        hw_before = measure_hardware(engine.device, mc.dtype,
-                                     fp8=engine.args.quantization == "fp8")  # fmt: skip
+        def measure():
+            return measure_hardware(engine.device, mc.dtype,
+                                    fp8=engine.args.quantization == "fp8")  # fmt: skip
+
+        hw_before = measure()
     run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up: kernels, allocator, graphs
     with triton_compiles() as compiled, allocator_calls(engine.device) as allocator:
         run = run_pagedkv(engine, reqs, record=True)
@@ -475,8 +478,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "allocator_calls_during_run": allocator, "env": env}
 
     if roofline:
-        hw_after = measure_hardware(engine.device, mc.dtype,
-                                    fp8=engine.args.quantization == "fp8")  # fmt: skip
+        hw_after = measure()
         hw = hw_before.best(hw_after)
         result["hardware_measured"] = {"before": hw_before.as_dict(), "after": hw_after.as_dict()}
         cost = ModelCost.of(_torch_model(engine), mc, mc.kv_bytes_per_token(_kv_dtype(engine)),
