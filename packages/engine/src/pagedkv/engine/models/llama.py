@@ -88,7 +88,8 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        prefetch_while_attending(self.o_proj.weight, x.shape[0], meta.decode_only)
+        # (meta None: a piecewise graph's capture, of prompt passes)
+        prefetch_while_attending(self.o_proj.weight, x.shape[0], meta is not None and meta.decode_only)
         # the attention layer rotates q and k (on a GPU, in the kernel that writes the cache)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta, rope=rope))
 
