@@ -44,9 +44,8 @@ ENGINE_NAMES = {
     "FP8_DTYPE",
     "FP8_MAX",
     "argmax_rows",
-    "prefetch_l2",
 }
-FOLDERS = ("attention", "cache", "fused", "quant", "sampling", "prefetch")
+FOLDERS = ("attention", "cache", "fused", "quant", "sampling")
 FOLDER_MODULES = ("ops", "checks", "torch_impl", "triton_launch", "triton_kernels", "reference")
 # Ops without a `backend=` choice, and why.
 NO_BACKEND = {"swap_blocks": "a swap is the copy engine's work on every device"}
@@ -131,7 +130,6 @@ NOT_SPECIALIZED = {
     # grid, the chunk count follows it through few values (triton_launch.pick_chunk).
     ("sampling", "argmax_chunks_kernel"): set(),
     ("sampling", "argmax_merge_kernel"): set(),
-    ("prefetch", "prefetch_l2_kernel"): {"nbytes"},
 }  # fmt: skip
 
 

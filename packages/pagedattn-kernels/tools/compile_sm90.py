@@ -40,8 +40,6 @@ from pagedattn_kernels.cache import triton_kernels as cache_kernels
 from pagedattn_kernels.cache import triton_launch as cache
 from pagedattn_kernels.fused import triton_kernels as fused_kernels
 from pagedattn_kernels.fused import triton_launch as fused
-from pagedattn_kernels.prefetch import triton_kernels as prefetch_kernels
-from pagedattn_kernels.prefetch import triton_launch as prefetch
 from pagedattn_kernels.quant import triton_kernels as quant_kernels
 from pagedattn_kernels.quant import triton_launch as quant
 from pagedattn_kernels.sampling import triton_kernels as sampling_kernels
@@ -270,18 +268,7 @@ def main() -> None:
     if args.head_dim is None:
         _fused_variants(args.quick)
         _sampling_variants(args.quick)
-        _prefetch_variants()
     _report()
-
-
-def _prefetch_variants() -> None:
-    """``prefetch_l2_kernel`` as a GPU launch compiles it (the launcher would only record on
-    the stub's CPU tensors): issuing, with and without ``evict_last``, with PDL."""
-    kernel = _Warmup(prefetch_kernels.prefetch_l2_kernel)
-    raw = torch.empty(1 << 20, dtype=torch.uint8)
-    for evict_last in (True, False):
-        kernel[(4,)](raw, raw, raw.numel(), CHUNK=prefetch.CHUNK_BYTES, BLOCK=prefetch.BLOCK,
-                     ISSUE=True, EVICT_LAST=evict_last, RECORD=False, PDL=True, num_warps=1)
 
 
 def _sampling_variants(quick: bool) -> None:

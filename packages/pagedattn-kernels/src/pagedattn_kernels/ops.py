@@ -11,9 +11,7 @@ checks (``checks.py``), the torch path (``torch_impl.py``), the Triton launchers
   with the cache write);
 - ``quant/``: per-token fp8 quantization of activations (the dynamic side of an fp8 matmul)
   and the fp8 matmul that takes them;
-- ``sampling/``: from logits to token ids: the greedy token of each row (``argmax_rows``);
-- ``prefetch/``: a hint, not a computation: fetch a tensor into the GPU's L2 ahead of its
-  reader (``prefetch_l2``).
+- ``sampling/``: from logits to token ids: the greedy token of each row (``argmax_rows``).
 
 This module imports each op from its folder, and that import line is what makes an op public:
 ``pagedattn_kernels`` re-exports this module's ``__all__`` and ``pagedattn_kernels.reference``
@@ -49,7 +47,6 @@ from pagedattn_kernels.fused.ops import (
     silu_and_mul,
     silu_and_mul_fp8,
 )
-from pagedattn_kernels.prefetch.ops import prefetch_l2
 from pagedattn_kernels.quant.ops import fp8_matmul, quantize_fp8_per_token
 from pagedattn_kernels.sampling.ops import argmax_rows
 
@@ -82,8 +79,6 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "quantize_fp8_per_token",
     # sampling/
     "argmax_rows",
-    # prefetch/
-    "prefetch_l2",
     # fp8 (common): the cache dtype of an fp8 KV cache and its largest magnitude
     "FP8_DTYPE",
     "FP8_MAX",

@@ -28,24 +28,6 @@ from pagedkv.engine.models.quantization import Fp8Rows
 # keeps them apart, the baseline a benchmark compares against.
 _FUSE_ROPE_AND_CACHE = os.environ.get("PAGEDKV_FUSED_ROPE_CACHE", "1") != "0"
 
-# Decode passes of at most this many tokens fetch the output projection's weights into L2
-# while attention runs (``prefetch_while_attending``); 0: never.
-PREFETCH_O_MAX_ROWS = int(os.environ.get("PAGEDKV_PREFETCH_O_ROWS", "0"))
-_PREFETCH_EVICT_LAST = os.environ.get("PAGEDKV_PREFETCH_EVICT_LAST", "1") != "0"
-
-
-def prefetch_while_attending(weight: torch.Tensor, rows: int, decode_only: bool) -> None:
-    """Ask L2 for the output projection's ``weight`` before a decode pass's attention.
-
-    Why: with a few sequences, attention (and the rotary and cache-write kernel before it)
-    waits on the latency of its loads and leaves the memory bus mostly idle, 10-25 us a layer
-    on an H200, and then the output projection reads its weights from HBM (33.5 MB a layer of
-    Llama-3-8B in bf16) at about 72% of the copy bandwidth. Fetched in that idle time, they
-    come from L2 instead. Past ``PREFETCH_O_MAX_ROWS`` rows attention itself streams enough
-    of the KV cache to keep the bus busy, and the prefetch would only compete with it."""
-    if decode_only and rows <= PREFETCH_O_MAX_ROWS and weight.is_cuda:
-        pagedattn_kernels.prefetch_l2(weight, evict_last=_PREFETCH_EVICT_LAST)
-
 
 def fused_kernels_enabled(device: torch.device) -> bool:
     """Whether the fused Triton kernels replace the torch code for tensors on ``device``.

@@ -32,7 +32,6 @@ from pagedkv.engine.models.layers import (
     RotaryAngles,
     RotaryEmbedding,
     check_all_loaded,
-    prefetch_while_attending,
     rope_inv_freq,
     silu_and_mul,
 )
@@ -88,8 +87,6 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # (meta None: a piecewise graph's capture, of prompt passes)
-        prefetch_while_attending(self.o_proj.weight, x.shape[0], meta is not None and meta.decode_only)
         # the attention layer rotates q and k (on a GPU, in the kernel that writes the cache)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta, rope=rope))
 
