@@ -40,6 +40,32 @@ def test_pass_bound_is_memory_bound_for_decode_and_compute_bound_for_prefill(lla
     assert prefill == pytest.approx(flops / 800e12)
 
 
+def test_serial_bound_adds_the_matmuls_and_attention_each_at_its_limit(llama8b) -> None:
+    """384 sequences of 500 tokens (a large decode pass): the matmuls are compute-bound and
+    attention memory-bound, so the serial bound is the sum of the two, above the overlapped
+    bound (the larger of all bytes and all products); one sequence: both memory-bound, and
+    the two bounds agree."""
+    _, cost = llama8b
+    hw = Hardware(bandwidth=4e12, matmul_flops=800e12)
+    b, ctx = 384, 500
+    matmul = (2 * cost.matmul_params * b + 2 * cost.lm_head_params * b) / 800e12
+    weights = cost.weight_bytes / 4e12
+    kv = (b * ctx + b) * cost.kv_bytes_per_token / 4e12
+    attention = cost.attn_flops_per_pair * b * ctx / 800e12
+    assert matmul > weights and kv > attention
+    serial = cost.pass_serial_bound(hw, b, b, b * ctx, b * ctx)
+    assert serial == pytest.approx(matmul + kv)
+    overlapped = cost.pass_bound(hw, b, b, b * ctx, b * ctx)
+    assert overlapped == pytest.approx(max(weights + kv, matmul + attention)) and overlapped < serial
+    one = (1, 1, 1500, 1500)
+    assert cost.pass_serial_bound(hw, *one) == pytest.approx(cost.pass_bound(hw, *one))
+    report = roofline_report(cost, hw, [(b, b, b * ctx, b * ctx)], [2 * serial], 2 * serial,
+                             gpu_seconds=[2 * serial])  # fmt: skip
+    assert report["roofline_serial_frac"] == pytest.approx(0.5)
+    assert report["roofline_serial_bound_s"] == pytest.approx(serial)
+    assert report["decode_host_gap_by_batch"]["257-512"]["serial_frac"] == pytest.approx(0.5)
+
+
 def test_roofline_report_fractions(llama8b) -> None:
     _, cost = llama8b
     hw = Hardware(bandwidth=4e12, matmul_flops=800e12)

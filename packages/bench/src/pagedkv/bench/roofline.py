@@ -130,17 +130,37 @@ class ModelCost:
             fp8_params=fp8,
         )
 
+    def _parts(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
+               pairs: int) -> tuple[float, float, float, float]:
+        """(weight read, matmul time, KV read and write, attention products) in seconds, each
+        at the hardware's rate."""
+        matmul = (2 * (self.matmul_params - self.fp8_params) * tokens
+                  + 2 * self.lm_head_params * seqs) / hw.matmul_flops
+        if self.fp8_params:
+            matmul += 2 * self.fp8_params * tokens / (hw.fp8_matmul_flops or hw.matmul_flops)
+        return (self.weight_bytes / hw.bandwidth, matmul,
+                (kv_tokens + tokens) * self.kv_bytes_per_token / hw.bandwidth,
+                self.attn_flops_per_pair * pairs / hw.matmul_flops)
+
     def pass_bound(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
                    pairs: int) -> float:
         """Lower bound in seconds for one pass of `tokens` new tokens over `seqs` sequences
-        that attend to `kv_tokens` cached tokens in all (`pairs` query-key pairs)."""
-        moved = self.weight_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
-        flops = (2 * (self.matmul_params - self.fp8_params) * tokens
-                 + 2 * self.lm_head_params * seqs + self.attn_flops_per_pair * pairs)
-        compute = flops / hw.matmul_flops
-        if self.fp8_params:
-            compute += 2 * self.fp8_params * tokens / (hw.fp8_matmul_flops or hw.matmul_flops)
-        return max(moved / hw.bandwidth, compute)
+        that attend to `kv_tokens` cached tokens in all (`pairs` query-key pairs): all bytes
+        over the bandwidth or all products over the matmul rate, whichever is longer. It
+        assumes the memory-bound work and the compute-bound work overlap perfectly."""
+        weights, matmul, kv, attention = self._parts(hw, tokens, seqs, kv_tokens, pairs)
+        return max(weights + kv, matmul + attention)
+
+    def pass_serial_bound(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
+                          pairs: int) -> float:
+        """The same pass's bound when its matmuls and its attention run one after the other,
+        as they do in an engine that does not split a batch to overlap them (NanoFlow does):
+        each at its own limit, the larger of bytes and products, then summed. At large decode
+        batches the matmuls are compute-bound and attention memory-bound, and this bound is up
+        to twice ``pass_bound``: the part of the gap to ``pass_bound`` that faster kernels
+        alone cannot close."""
+        weights, matmul, kv, attention = self._parts(hw, tokens, seqs, kv_tokens, pairs)
+        return max(weights, matmul) + max(kv, attention)
 
 
 def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, int, int]],
@@ -158,12 +178,16 @@ def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, 
     the one it launched. `*_device_wait_seconds` (from `between_seconds`) is the device's own
     account of the time it waited before each kind of pass."""
     bounds = [cost.pass_bound(hw, *p) for p in passes]
+    serial = [cost.pass_serial_bound(hw, *p) for p in passes]
     gpu = gpu_seconds if gpu_seconds and len(gpu_seconds) == len(passes) else None
     between = (between_seconds if gpu is not None and between_seconds
                and len(between_seconds) == len(passes) else None)  # fmt: skip
     out: dict[str, Any] = {
         "roofline_frac": sum(bounds) / wall_seconds if wall_seconds > 0 else 0.0,
         "roofline_bound_s": sum(bounds),
+        # what the run reaches of the bound its matmuls and attention have one after the other
+        "roofline_serial_frac": sum(serial) / wall_seconds if wall_seconds > 0 else 0.0,
+        "roofline_serial_bound_s": sum(serial),
         "forward_passes": len(passes),
         **hw.as_dict(),
     }
@@ -188,7 +212,8 @@ def roofline_report(cost: ModelCost, hw: Hardware, passes: list[tuple[int, int, 
         if between is not None:
             out[f"{kind}_device_wait_seconds"] = sum(between[i] for i in idx)
     if gpu is not None:
-        out["decode_host_gap_by_batch"] = _host_gap_by_batch(passes, step_seconds, gpu, bounds)
+        out["decode_host_gap_by_batch"] = _host_gap_by_batch(passes, step_seconds, gpu, bounds,
+                                                             serial)
         out["mixed_pass_trace"] = _mixed_pass_trace(passes, step_seconds, gpu, between)
     return out
 
@@ -216,10 +241,13 @@ def _mixed_pass_trace(passes, step_seconds, gpu, between) -> list[dict[str, floa
 _BATCH_BUCKETS = (64, 256, 512, 1024, 1 << 30)
 
 
-def _host_gap_by_batch(passes, step_seconds, gpu, bounds) -> dict[str, dict[str, float]]:
+def _host_gap_by_batch(passes, step_seconds, gpu, bounds,
+                       serial) -> dict[str, dict[str, float]]:  # fmt: skip
     """Host wait of decode passes per batch-size bucket: where the host's per-sequence work
     shows (it grows with the batch) against the fixed cost of a step; and each bucket's bound
-    and roofline fraction (`bounds[i]`: pass i's), which say which batch sizes to speed up."""
+    and roofline fraction (`bounds[i]`: pass i's), which say which batch sizes to speed up,
+    and its fraction of the serial bound (`serial[i]`), which says how much of that a faster
+    kernel could win without overlapping matmuls and attention."""
     table: dict[str, dict[str, float]] = {}
     low = 1
     for high in _BATCH_BUCKETS:
@@ -236,6 +264,8 @@ def _host_gap_by_batch(passes, step_seconds, gpu, bounds) -> dict[str, dict[str,
                             "seconds": sum(step_seconds[i] for i in idx),
                             "bound_ms_mean": sum(bounds[i] for i in idx) / len(idx) * 1e3,
                             "roofline_frac": sum(bounds[i] for i in idx)
+                            / max(sum(step_seconds[i] for i in idx), 1e-12),
+                            "serial_frac": sum(serial[i] for i in idx)
                             / max(sum(step_seconds[i] for i in idx), 1e-12)}
         low = high + 1
     return table

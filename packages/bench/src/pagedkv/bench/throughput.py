@@ -559,7 +559,9 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
             print(f"pagedkv / {label}: {result[key]:.2f}x")
     if "roofline_frac" in result:
         print(f"roofline: the run took {secs:.1f} s, the hardware bound is "
-              f"{result['roofline_bound_s']:.1f} s ({result['roofline_frac']:.0%}); median decode "
+              f"{result['roofline_bound_s']:.1f} s ({result['roofline_frac']:.0%}; "
+              f"{result['roofline_serial_frac']:.0%} of the {result['roofline_serial_bound_s']:.1f} s "
+              f"with matmuls and attention in turn); median decode "
               f"step {result.get('decode_step_ms', 0):.2f} ms vs bound "
               f"{result.get('decode_step_bound_ms', 0):.2f} ms "
               f"(HBM {result['hbm_gb_s']:.0f} GB/s, matmul {result['matmul_tflop_s']:.0f} TFLOP/s)")
@@ -577,7 +579,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
             print(f"  decode batches of {bucket}: {row['passes']} passes, host wait "
                   f"{row['host_gap_s']:.2f} s ({row['host_gap_ms_mean']:.2f} ms per pass, GPU "
                   f"busy {row['gpu_ms_mean']:.2f} ms); {row['seconds']:.2f} s in all, bound "
-                  f"{row['bound_ms_mean']:.2f} ms per pass ({row['roofline_frac']:.0%})")
+                  f"{row['bound_ms_mean']:.2f} ms per pass ({row['roofline_frac']:.0%}; "
+                  f"{row['serial_frac']:.0%} of the serial bound)")
     _save(args, result)
     print_json_line(result)
     return 0
