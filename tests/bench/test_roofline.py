@@ -134,3 +134,25 @@ def test_the_better_of_two_hardware_measurements_counts() -> None:
     assert high.best(low) == best
     plain = Hardware(bandwidth=1.0, matmul_flops=2.0)
     assert plain.best(plain).fp8_matmul_flops is None
+
+
+def _replay_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "roofline_replay.py"
+    spec = importlib.util.spec_from_file_location("roofline_replay", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_replay_logs_passes_as_the_runner_does() -> None:
+    """Two requests (prompts of 5 and 3 tokens, 4 and 2 tokens out): one pass with both
+    prompts, then decodes of both, then two of the longer one alone. Each pass as
+    (tokens, sequences, KV tokens attended, query-key pairs), counted by hand."""
+    requests = [{"prompt_token_ids": [1, 2, 3, 4, 5], "output_len": 4},
+                {"prompt_token_ids": [6, 7, 8], "output_len": 2}]  # fmt: skip
+    passes = _replay_script().replay(requests, blocks=64, cpu_blocks=0, block_size=16,
+                                     max_num_seqs=4, max_tokens=16, max_model_len=64)  # fmt: skip
+    assert passes == [(8, 2, 8, 15 + 6), (2, 2, 10, 6 + 4), (1, 1, 7, 7), (1, 1, 8, 8)]
