@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedkv.bench.roofline import Hardware, ModelCost, roofline_report
 from pagedkv.engine.config import ModelConfig
@@ -156,3 +157,41 @@ def test_the_replay_logs_passes_as_the_runner_does() -> None:
     passes = _replay_script().replay(requests, blocks=64, cpu_blocks=0, block_size=16,
                                      max_num_seqs=4, max_tokens=16, max_model_len=64)  # fmt: skip
     assert passes == [(8, 2, 8, 15 + 6), (2, 2, 10, 6 + 4), (1, 1, 7, 7), (1, 1, 8, 8)]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_replay_recomputes_a_runs_bound(tmp_path, capsys, monkeypatch, llama8b, fp8) -> None:
+    """A run's JSON and its requests: the replay prints the run's own overlapped bound (here
+    made by the benchmark's costing of the same passes: bf16, or fp8 weights and cache at the
+    fp8 rate) and the serial bound beside it."""
+    import json
+
+    from pagedkv.engine.model_loader import load_model
+    from pagedkv.engine.models.quantization import quantize_model
+
+    cfg, bf16_cost = llama8b
+    script = _replay_script()
+    requests = [{"prompt_token_ids": list(range(1, 40)), "output_len": 5},
+                {"prompt_token_ids": list(range(1, 9)), "output_len": 3}]  # fmt: skip
+    passes = script.replay(requests, blocks=64, cpu_blocks=0, block_size=16, max_num_seqs=4,
+                           max_tokens=2048, max_model_len=2048)  # fmt: skip
+    hw = Hardware(bandwidth=4e12, matmul_flops=800e12, fp8_matmul_flops=1600e12 if fp8 else None)
+    cost = bf16_cost
+    if fp8:
+        model = load_model(cfg, load_format="dummy", device="meta")
+        quantize_model(model, "fp8")
+        cost = ModelCost.of(model, cfg, cfg.kv_bytes_per_token(torch.float8_e4m3fn))
+    bound = sum(cost.pass_bound(hw, *p) for p in passes)
+    serial = sum(cost.pass_serial_bound(hw, *p) for p in passes)
+    run = {"num_prompts": 2, "num_gpu_blocks": 64, "max_num_seqs": 4, "forward_passes": len(passes),
+           "roofline_bound_s": bound, "seconds": 2 * serial, "hbm_gb_s": 4000.0,
+           "matmul_tflop_s": 800.0, "quantization": "fp8" if fp8 else "none",
+           "kv_cache_dtype": "fp8" if fp8 else "auto", **hw.as_dict()}  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "reqs.json").write_text(json.dumps({"requests": requests}))
+    monkeypatch.setattr("sys.argv", ["roofline_replay.py", str(tmp_path / "run.json"), "--dataset",
+                                     str(tmp_path / "reqs.json")])  # fmt: skip
+    assert script.main() == 0
+    out = capsys.readouterr().out
+    assert f"overlapped bound: replay {bound:.3f} s, the run {bound:.3f} s" in out
+    assert f"serial bound: {serial:.3f} s" in out and "50.0% of the serial one" in out
