@@ -79,10 +79,6 @@
 #     a decode step at 16, 64 and 256 sequences with the rotary embedding in the cache-write
 #     kernel (PAGEDKV_FUSED_ROPE_CACHE=1) and apart (=0): fp8 interleaved twice, bf16 once;
 #     then the fp8 step at 16 by kernel           -> decode_profile_fp8_ropecache.log
-#   bash scripts/gpu_fp8.sh prefetch           # ~7 min, carrying .gpu_data
-#     a decode step of the fp8 model at PAGEDATTN_FP8_PREFETCH=0/512/1024/2048 (fp8_matmul's
-#     L2 prefetch of its weights before the PDL wait), interleaved twice; then the fp8 run at 0
-#     and at PREFETCH_BEST (1024) -> throughput_*_fp8_prefetch{0,N}.json
 #   bash scripts/gpu_fp8.sh fp8swap            # ~2 min, carrying .gpu_data
 #     the fp8 run with PAGEDKV_FP8_MATMUL_MAX_ROWS=${SWAP_ROWS:-0}: torch._scaled_mm for every
 #     matmul, against the engine's pagedattn_kernels.fp8_matmul up to 128 rows
@@ -116,7 +112,7 @@
 #
 # CPU smoke run (tiny sizes, the embedded model, no GPU; a minute or two):
 #   SMOKE=1 PYTHON=.venv/bin/python SKIP_WHEELS=1 bash scripts/gpu_fp8.sh kernels bf16 fp8 accuracy
-# Tunables: PROFILE_BATCHES (16,48), PROFILE_CONTEXT (900), PREFILL_PROMPT_LEN (246), PROFILE_LINES (120), PDL_BATCHES (16,64,256; pdl and ropecache), PREFETCH_SET (0 512 1024 2048), PREFETCH_BEST (1024), BASELINES_BF16 (1; 0: no transformers runs), RATIO_ROUNDS (2), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
+# Tunables: PROFILE_BATCHES (16,48), PROFILE_CONTEXT (900), PREFILL_PROMPT_LEN (246), PROFILE_LINES (120), PDL_BATCHES (16,64,256; pdl and ropecache), BASELINES_BF16 (1; 0: no transformers runs), RATIO_ROUNDS (2), WEIGHTONLY_BUDGET (180 s), NUM_PROMPTS (1000), HF_N (128), HF_BS (64,128), HF_TIME_LIMIT (90), MAX_NUM_SEQS
 # (1024), MAX_BATCHED (16384), RUN_TIMEOUT (540), EXTRA (more throughput options).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -463,27 +459,6 @@ PY
         --quantization fp8 > "$OUT/decode_profile_fp8_ropecache.log" 2>&1
       grep -E "GPU time|^    [a-z]|_kernel" "$OUT/decode_profile_fp8_ropecache.log" | head -24
       ;;
-    prefetch)
-      # fp8_matmul's L2 prefetch of its weights before it waits on the kernel before it
-      # (PAGEDATTN_FP8_PREFETCH bytes per weight row; 0: off, the default): a decode step of the
-      # fp8 model at each setting, interleaved twice, then the end-to-end fp8 run at 0 and at
-      # PREFETCH_BEST (default 1024), with the figures printed (a call returns 8 files)
-      if [[ "$SMOKE" == 1 ]]; then echo "=== prefetch: needs a GPU (skipped in a smoke run)"; continue; fi
-      for round in 1 2; do
-        for bytes in ${PREFETCH_SET:-0 512 1024 2048}; do
-          tag="decode_prefetch${bytes}_${round}"
-          PAGEDATTN_FP8_PREFETCH=$bytes timeout 200 "$PYTHON" -m pagedkv.bench.decode_step \
-            --batch-sizes "${PDL_BATCHES:-16,64,256}" --context 900 --steps 32 --warmup-steps 4 \
-            "${model[@]}" --kv-cache-dtype fp8 --quantization fp8 > "/tmp/$tag.log" 2>&1
-          echo "fp8 PAGEDATTN_FP8_PREFETCH=$bytes round $round (exit $?): $(tail -1 "/tmp/$tag.log")"
-        done
-      done
-      for bytes in 0 "${PREFETCH_BEST:-1024}"; do
-        echo "=== fp8 end to end, PAGEDATTN_FP8_PREFETCH=$bytes"
-        PAGEDATTN_FP8_PREFETCH=$bytes throughput "_fp8_prefetch$bytes" --kv-cache-dtype fp8 --quantization fp8 \
-          | grep -E "^pagedkv |roofline|decode batches|^\{'output" | cut -c1-260
-      done
-      ;;
     fp8swap)
       # The fp8 run again with pagedattn_kernels.fp8_matmul taking the matmuls of up to
       # SWAP_ROWS rows (default 0: torch._scaled_mm for all, against the engine's 128).
@@ -533,6 +508,6 @@ PY
       echo "    exit $?"
       grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
       ;;
-    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8exact, profile, pdl, prefetch, accuracy, diagnose, weightonly)" ;;
+    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8exact, profile, pdl, accuracy, diagnose, weightonly)" ;;
   esac
 done

@@ -6,8 +6,7 @@ for the previous one's writes. A kernel that read its input before that wait, or
 out, would make the results depend on timing. The GPU test runs one fp8 decode layer's chain
 of kernels (norm and quantization, fp8 matmuls with split K, rotary with the cache write, split
 decode attention and its merge, the fused activation), each reading what the one before wrote,
-eagerly and replayed in a CUDA graph, and asks for the same bits with PDL as without (and
-with ``fp8_matmul``'s L2 prefetch of its weights before the wait).
+eagerly and replayed in a CUDA graph, and asks for the same bits with PDL as without.
 """
 
 from __future__ import annotations
@@ -22,21 +21,6 @@ from pagedattn_kernels import common
 def test_pdl_only_on_cuda(monkeypatch):
     monkeypatch.delenv(common.PDL_ENV, raising=False)
     assert not common.use_pdl(torch.device("cpu"))
-
-
-def test_fp8_prefetch_setting(monkeypatch):
-    """``$PAGEDATTN_FP8_PREFETCH``: off by default, else a power of two from 128 bytes; any
-    other value is a clear error before a kernel runs."""
-    from pagedattn_kernels.quant import triton_launch as ql
-
-    monkeypatch.delenv(ql.PREFETCH_ENV, raising=False)
-    assert ql.prefetch_bytes() == 0
-    monkeypatch.setenv(ql.PREFETCH_ENV, "1024")
-    assert ql.prefetch_bytes() == 1024
-    for bad in ("64", "384", "-128", "1k"):
-        monkeypatch.setenv(ql.PREFETCH_ENV, bad)
-        with pytest.raises(ValueError, match="PAGEDATTN_FP8_PREFETCH"):
-            ql.prefetch_bytes()
 
 
 @pytest.mark.gpu
@@ -99,9 +83,8 @@ def test_pdl_changes_no_bit(monkeypatch, seed):
     cache0 = cache0.to(torch.float8_e4m3fn)
     scales = (torch.tensor([0.5], device=dev), torch.tensor([0.25], device=dev))
 
-    def run(pdl: str, graph: bool, prefetch: str = "0") -> tuple[torch.Tensor, ...]:
+    def run(pdl: str, graph: bool) -> tuple[torch.Tensor, ...]:
         monkeypatch.setenv(common.PDL_ENV, pdl)
-        monkeypatch.setenv("PAGEDATTN_FP8_PREFETCH", prefetch)
         state = [hidden0.clone(), res0.clone(), cache0.clone(), cache0.clone()]
         hidden, res, k_cache, v_cache = state
         caches = (k_cache, v_cache, *scales)
@@ -122,11 +105,10 @@ def test_pdl_changes_no_bit(monkeypatch, seed):
         return out.clone(), res.clone(), k_cache.clone(), v_cache.clone()
 
     want = run("0", graph=False)
-    for pdl, graph, prefetch in (("1", False, "0"), ("0", True, "0"), ("1", True, "0"),
-                                 ("1", True, "1024")):  # fmt: skip
-        got = run(pdl, graph, prefetch)
+    for pdl, graph in (("1", False), ("0", True), ("1", True)):
+        got = run(pdl, graph)
         for name, a, b in zip(("output", "residual", "key cache", "value cache"), got, want):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), (
-                f"PAGEDATTN_PDL={pdl} graph={graph} PAGEDATTN_FP8_PREFETCH={prefetch}: {name} "
+                f"PAGEDATTN_PDL={pdl} graph={graph}: {name} "
                 f"differs (seed={seed})")  # fmt: skip

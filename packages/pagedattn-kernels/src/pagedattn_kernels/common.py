@@ -265,9 +265,7 @@ def use_pdl(device: torch.device) -> bool:
     previous kernel has finished and its writes are visible, so no kernel reads or overwrites
     anything early) and ``griddepcontrol.launch_dependents`` (the next kernel may launch now).
     What overlaps is the launch and the scheduling of the next kernel's programs, never a read
-    or write of their data. (``fp8_matmul``'s optional prefetch, ``PAGEDATTN_FP8_PREFETCH``,
-    asks L2 for weight lines before its wait: a hint that brings nothing into the program, and
-    L2 is where every kernel's writes land, so a line it holds is never stale.) A kernel that
+    or write of their data. A kernel that
     follows one not launched so (cuBLAS, a copy) just starts when that one ends. CUDA graphs
     keep the dependency (captured as a programmatic edge).
     """

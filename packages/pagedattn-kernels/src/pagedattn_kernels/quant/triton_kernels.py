@@ -234,7 +234,6 @@ def fp8_matmul_kernel(
     UPCAST: tl.constexpr,
     PROMOTE: tl.constexpr,
     PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
@@ -269,17 +268,7 @@ def fp8_matmul_kernel(
     Without SPLIT: scaled and stored in y's dtype. UPCAST: the interpreter, which has no fp8
     dot: float32 operands, which hold e4m3 values exactly. PROMOTE: add each BLOCK_K slice's
     fp8 MMA sum into the float32 accumulator (exact accumulation); without it the MMA
-    accumulates in its own narrower format throughout (cuBLAS's "fast accumulation").
-    PREFETCH (with PDL; bytes, a power of two from 128): before waiting for the kernel that
-    makes xq, ask L2 for the first PREFETCH bytes of each of this program's weight rows (one
-    ``prefetch.global.L2`` per 128-byte line): the weights do not depend on that kernel, so
-    they stream in while it still runs, and the pipeline's first loads find them in L2."""
-    if PDL and PREFETCH > 0:
-        lines = tl.program_id(2) * k_chunk + tl.arange(0, PREFETCH // 128) * 128
-        pn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        pre = w_ptr + pn.to(tl.int64)[:, None] * stride_wn + tl.minimum(lines, K - 1)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [pre],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    accumulates in its own narrower format throughout (cuBLAS's "fast accumulation")."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()

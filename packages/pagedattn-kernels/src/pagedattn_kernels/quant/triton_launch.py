@@ -7,7 +7,6 @@ the same kernel in Triton's interpreter (``pagedattn_kernels.common.kernels_for`
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -201,28 +200,6 @@ def auto_split(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
     return max(splits, key=lambda s: (tiles * s / (-(-tiles * s // sms) * sms), -s))
 
 
-PREFETCH_ENV = "PAGEDATTN_FP8_PREFETCH"
-
-
-def prefetch_bytes() -> int:
-    """``fp8_matmul_kernel``'s PREFETCH from ``$PAGEDATTN_FP8_PREFETCH``: 0 (the default) or a
-    power of two from 128, the bytes of each weight row a program asks L2 for before it waits
-    on the kernel before it (only with PDL). Off by default until an H200 A/B run
-    (``scripts/gpu_fp8.sh prefetch``) shows it pays."""
-    return _parse_prefetch(os.environ.get(PREFETCH_ENV, "0"))
-
-
-@functools.lru_cache(maxsize=8)  # read per matmul: parse each value once
-def _parse_prefetch(raw: str) -> int:
-    try:
-        value = int(raw.strip() or "0")
-    except ValueError:
-        value = -1
-    if value != 0 and (value < 128 or value & (value - 1)):
-        raise ValueError(f"${PREFETCH_ENV}={raw!r}: use 0 (off) or a power of two from 128 bytes")
-    return value
-
-
 def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                w_scale: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None = None,
                fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
@@ -252,13 +229,12 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     if split > 1 and cfg.merge_here:
         counters = _merge_counters(xq.device, grid_mn[0] * grid_mn[1])
     pdl = use_pdl(xq.device)
-    prefetch = prefetch_bytes() if pdl else 0
     kernels.fp8_matmul_kernel[(*grid_mn, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
-        PROMOTE=cfg.promote, PDL=pdl, PREFETCH=prefetch, launch_pdl=pdl, num_warps=num_warps,
+        PROMOTE=cfg.promote, PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
