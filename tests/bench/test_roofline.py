@@ -195,3 +195,22 @@ def test_the_replay_recomputes_a_runs_bound(tmp_path, capsys, monkeypatch, llama
     out = capsys.readouterr().out
     assert f"overlapped bound: replay {bound:.3f} s, the run {bound:.3f} s" in out
     assert f"serial bound: {serial:.3f} s" in out and "50.0% of the serial one" in out
+
+
+def test_nano_batches_read_the_weights_once_each(llama8b) -> None:
+    """One nano-batch is the overlapped bound; each more adds a weight read. At 1,024
+    sequences of 500 tokens two nano-batches beat the serial bound, at 64 they do not."""
+    _, cost = llama8b
+    script = _replay_script()
+    hw = Hardware(bandwidth=4e12, matmul_flops=800e12)
+    for b in (64, 1024):
+        p = (b, b, b * 500, b * 500)
+        assert script.nano_batch_bound(cost, hw, 1, p) == pytest.approx(cost.pass_bound(hw, *p))
+        weights = cost.weight_bytes / 4e12
+        two = script.nano_batch_bound(cost, hw, 2, p)
+        assert two >= cost.pass_bound(hw, *p)
+        if b == 64:  # memory-bound: the second weight read adds its whole time
+            assert two == pytest.approx(cost.pass_bound(hw, *p) + weights)
+            assert two > cost.pass_serial_bound(hw, *p)
+        else:
+            assert two < cost.pass_serial_bound(hw, *p)

@@ -130,10 +130,10 @@ class ModelCost:
             fp8_params=fp8,
         )
 
-    def _parts(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
-               pairs: int) -> tuple[float, float, float, float]:
-        """(weight read, matmul time, KV read and write, attention products) in seconds, each
-        at the hardware's rate."""
+    def parts(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
+              pairs: int) -> tuple[float, float, float, float]:  # fmt: skip
+        """(weight read, matmul time, KV read and write, attention products) of one pass in
+        seconds, each at the hardware's rate: the terms the bounds below combine."""
         matmul = (2 * (self.matmul_params - self.fp8_params) * tokens
                   + 2 * self.lm_head_params * seqs) / hw.matmul_flops
         if self.fp8_params:
@@ -148,7 +148,7 @@ class ModelCost:
         that attend to `kv_tokens` cached tokens in all (`pairs` query-key pairs): all bytes
         over the bandwidth or all products over the matmul rate, whichever is longer. It
         assumes the memory-bound work and the compute-bound work overlap perfectly."""
-        weights, matmul, kv, attention = self._parts(hw, tokens, seqs, kv_tokens, pairs)
+        weights, matmul, kv, attention = self.parts(hw, tokens, seqs, kv_tokens, pairs)
         return max(weights + kv, matmul + attention)
 
     def pass_serial_bound(self, hw: Hardware, tokens: int, seqs: int, kv_tokens: int,
@@ -159,7 +159,7 @@ class ModelCost:
         batches the matmuls are compute-bound and attention memory-bound, and this bound is up
         to twice ``pass_bound``: the part of the gap to ``pass_bound`` that faster kernels
         alone cannot close."""
-        weights, matmul, kv, attention = self._parts(hw, tokens, seqs, kv_tokens, pairs)
+        weights, matmul, kv, attention = self.parts(hw, tokens, seqs, kv_tokens, pairs)
         return max(weights, matmul) + max(kv, attention)
 
 
