@@ -116,6 +116,52 @@ def test_fp8_matmul_fast_accumulation(target, seed):
         assert err < 1e-2, f"M={m} N={n} K={k}: rel error {err:.1e} (seed={seed})"
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("split_k", [0, 1, 3])
+def test_matmul_16bit_within_bound(target, seed, dtype, split_k):
+    """The same kernel on 16-bit operands without scales (``triton_launch.matmul_16bit``, what
+    ``scripts/bf16_stream_gemm.py`` times against cuBLAS): ``x @ w.T`` within the output's
+    rounding plus float32 sums of K exact products, at the shapes above; split K merged by
+    the last split and by the second kernel alike (the same bits); the pick for each shape
+    (split 0: ``pick_config_16bit``, or the interpreter's tiles) and forced splits."""
+    if target.backend != "triton":
+        pytest.skip("a Triton kernel option")
+    from pagedattn_kernels.quant import triton_launch as ql
+
+    gen = target.generator(seed)
+    for m, n, k in FULL_SHAPES if target.full else SHAPES:
+        x = torch.randn(m, k, generator=gen, device=target.device).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=target.device) * k**-0.5).to(dtype)
+        cfg = None if split_k == 0 else ql.Fp8MatmulConfig(
+            block_n=32 if not target.full else 64, block_k=32 if not target.full else 128,
+            split_k=split_k, num_stages=1 if not target.full else 4)  # fmt: skip
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=target.device)
+        y = ql.matmul_16bit(x, w, out, cfg)
+        assert y is out
+        ref = x.cpu().double() @ w.cpu().double().T
+        u = {F16: 2.0**-11, BF16: 2.0**-7 if not target.full else 2.0**-8}[dtype]
+        bound = u * ref.abs() + (1 + u) * (k + 1) * 2.0**-24 * (x.cpu().double().abs()
+                                                               @ w.cpu().double().abs().T)
+        worst = float(((y.cpu().double() - ref).abs() / bound).max())
+        assert worst <= 1.0, f"M={m} N={n} K={k}: |err| / bound {worst:.2f} (seed={seed})"
+        if cfg is not None and split_k > 1:
+            second = ql.Fp8MatmulConfig(cfg.block_n, cfg.block_k, split_k, cfg.num_warps,
+                                        cfg.num_stages, merge_here=False)  # fmt: skip
+            assert torch.equal(ql.matmul_16bit(x, w, torch.empty_like(out), second), y)
+
+
+def test_pick_config_16bit_keeps_the_bytes_of_a_step():
+    """``pick_config_16bit``: ``pick_config``'s tiles with half the columns a step (the same
+    bytes of 16-bit weights as of e4m3 ones) and no promotion."""
+    from pagedattn_kernels.quant.triton_launch import pick_config, pick_config_16bit
+
+    for m, n, k in ((1, 6144, 4096), (16, 28672, 4096), (64, 4096, 14336), (128, 4096, 4096)):
+        fp8, half = pick_config(m, n, k, sms=132), pick_config_16bit(m, n, k, sms=132)
+        assert half.block_k * 2 == fp8.block_k and not half.promote
+        assert (half.block_n, half.split_k, half.num_stages) == (fp8.block_n, fp8.split_k,
+                                                                 fp8.num_stages)  # fmt: skip
+
+
 def test_pick_config_follows_the_shape():
     """The per-shape tiles (``pick_config``): from 33 rows, many output rows unsplit in 128-row
     tiles, a long K split in 64-row tiles of 256-byte steps, the rest unsplit in 64-row tiles

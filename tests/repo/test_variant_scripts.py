@@ -1,6 +1,6 @@
 """The kernel-variant diagnosis scripts (``scripts/*_variants.py``, ``fp8_weight_only_gemm.py``,
-``decode_fp8_engine_shapes.py``) time on a GPU what their ``--check`` verifies on the CPU:
-every variant's output against a reference, in Triton's interpreter. A GPU session spends its few minutes on timing, so
+``decode_fp8_engine_shapes.py``, ``bf16_stream_gemm.py``) time on a GPU what their ``--check``
+verifies on the CPU: every variant's output against a reference, in Triton's interpreter. A GPU session spends its few minutes on timing, so
 a variant that computes the wrong thing has to fail here first."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["decode_fp8_variants.py", "prefill_variants.py", "fp8_weight_only_gemm.py",
-           "decode_fp8_engine_shapes.py"]
+           "decode_fp8_engine_shapes.py", "bf16_stream_gemm.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

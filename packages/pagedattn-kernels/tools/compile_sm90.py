@@ -346,6 +346,12 @@ def _fp8_variants() -> None:
                 quant.fp8_matmul(torch.empty(m, 4096, dtype=kc.dtype), torch.ones(m), wq,
                                  torch.ones(6144), torch.empty(m, 6144, dtype=dtype),
                                  quant.Fp8MatmulConfig(split_k=split))  # fmt: skip
+            # the same kernel on bf16 operands (matmul_16bit; timed by bf16_stream_gemm.py)
+            for n, k in ((6144, 4096), (4096, 14336), (28672, 4096)):
+                cfg = quant.pick_config_16bit(m, n, k, sms=132)
+                quant.matmul_16bit(torch.empty(m, k, dtype=torch.bfloat16),
+                                   torch.empty(n, k, dtype=torch.bfloat16),
+                                   torch.empty(m, n, dtype=torch.bfloat16), cfg)  # fmt: skip
         x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
         fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
         fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)

@@ -197,10 +197,13 @@ def quantize_fp8_tiles_kernel(
 
 
 @triton.jit
-def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask):
-    """``y[rm, rn] = acc.T * x_scale[rm] * w_scale[rn]`` in y's dtype (acc is [rn, rm])."""
-    acc = acc * tl.load(w_scale_ptr + rn % N)[:, None]
-    acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
+def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask,
+                  SCALED: tl.constexpr):  # fmt: skip
+    """``y[rm, rn] = acc.T * x_scale[rm] * w_scale[rn]`` in y's dtype (acc is [rn, rm]);
+    without SCALED, ``acc.T``."""
+    if SCALED:
+        acc = acc * tl.load(w_scale_ptr + rn % N)[:, None]
+        acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
     y = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -234,6 +237,7 @@ def fp8_matmul_kernel(
     UPCAST: tl.constexpr,
     PROMOTE: tl.constexpr,
     PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = True,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
@@ -268,7 +272,10 @@ def fp8_matmul_kernel(
     Without SPLIT: scaled and stored in y's dtype. UPCAST: the interpreter, which has no fp8
     dot: float32 operands, which hold e4m3 values exactly. PROMOTE: add each BLOCK_K slice's
     fp8 MMA sum into the float32 accumulator (exact accumulation); without it the MMA
-    accumulates in its own narrower format throughout (cuBLAS's "fast accumulation")."""
+    accumulates in its own narrower format throughout (cuBLAS's "fast accumulation").
+    SCALED False: the same kernel on 16-bit operands (``matmul_16bit`` in the launcher:
+    ``y = x @ W.T``, no scales, no PROMOTE), for timing the swapped tiles against cuBLAS's
+    bf16 matmuls at decode batch sizes."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -302,7 +309,8 @@ def fp8_matmul_kernel(
             acc = tl.dot(w, x, acc)
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     if not SPLIT:
-        _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask)
+        _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask,
+                      SCALED)  # fmt: skip
     else:
         part = part_ptr + rm[None, :] * N + rn[:, None]
         tl.store(part + pid_k * M * N, acc, mask=mask)
@@ -314,15 +322,17 @@ def fp8_matmul_kernel(
                 for s in range(splits):  # from L2 (".cg"): other SMs wrote them
                     total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_scaled(total, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
-                              mask)  # fmt: skip
+                              mask, SCALED)  # fmt: skip
                 tl.atomic_xchg(counter, 0)
 
 
 @triton.jit(do_not_specialize=["numel", "splits"])
 def fp8_matmul_reduce_kernel(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, numel, N, splits,
-                             stride_ym, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                             stride_ym, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                             SCALED: tl.constexpr = True):  # fmt: skip
     """``y[m, n] = (sum over splits of part[s, m, n]) * w_scale[n] * x_scale[m]``, the splits
-    of ``fp8_matmul_kernel`` summed in a fixed order (the same result on every run)."""
+    of ``fp8_matmul_kernel`` summed in a fixed order (the same result on every run); without
+    SCALED, the sum alone."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -333,6 +343,7 @@ def fp8_matmul_reduce_kernel(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, numel, N
         acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
     m = offs // N
     n = offs % N
-    acc = acc * tl.load(w_scale_ptr + n, mask=mask, other=0.0)
-    acc = acc * tl.load(x_scale_ptr + m, mask=mask, other=0.0)
+    if SCALED:
+        acc = acc * tl.load(w_scale_ptr + n, mask=mask, other=0.0)
+        acc = acc * tl.load(x_scale_ptr + m, mask=mask, other=0.0)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)

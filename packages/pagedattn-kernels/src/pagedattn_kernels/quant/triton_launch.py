@@ -6,6 +6,7 @@ the same kernel in Triton's interpreter (``pagedattn_kernels.common.kernels_for`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -205,6 +206,34 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
     """``config`` None: ``pick_config`` for this shape (the interpreter: small tiles, one
     stage); ``fast_accum`` only matters then (a given config says ``promote`` itself)."""
+    return _swapped_matmul(xq, (x_scale, w_scale), wq, out, config, fast_accum)
+
+
+@functools.lru_cache(maxsize=1024)
+def pick_config_16bit(m: int, n: int, k: int, sms: int) -> Fp8MatmulConfig:
+    """``pick_config``'s tiles for 16-bit operands: the same bytes of K a step (half the
+    columns), no promotion (bf16 and fp16 MMAs accumulate in float32 already). A starting
+    point for ``matmul_16bit``, not tuned on a GPU."""
+    cfg = pick_config(m, n, k, sms)
+    return dataclasses.replace(cfg, block_k=cfg.block_k // 2, promote=False)
+
+
+def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                 config: Fp8MatmulConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """``out = x @ w.T`` for bf16 or fp16 ``x [M, K]`` and ``w [N, K]`` (unit stride along K),
+    by ``fp8_matmul_kernel`` without scales (SCALED False): the weight rows on the tensor-core
+    tile's long side, the few tokens on its short side, split K merged by the last split. Not
+    an op the engine calls: it exists to time these tiles against cuBLAS's bf16 matmuls at
+    decode batch sizes (``scripts/bf16_stream_gemm.py``). ``config`` None:
+    ``pick_config_16bit`` (the interpreter: small tiles, one stage)."""
+    return _swapped_matmul(x, None, w, out, config)
+
+
+def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                    wq: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None,
+                    fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
+    """One launch of ``fp8_matmul_kernel`` (and of its reduce kernel when a split matmul
+    cannot merge in place): scaled by ``scales`` = (x_scale, w_scale), or unscaled (None)."""
     m, k = xq.shape
     n = wq.shape[0]
     if m == 0 or n == 0:
@@ -214,7 +243,12 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     kernels = kernels_for(xq.device, KERNELS)
     interpreted = is_interpreted(kernels.fp8_matmul_kernel)
     sms = sm_count(xq.device)
-    cfg = config or (_INTERPRETER_CONFIG if interpreted else pick_config(m, n, k, sms, fast_accum))
+    if config is not None or interpreted:
+        cfg = config or _INTERPRETER_CONFIG
+    elif scales is None:
+        cfg = pick_config_16bit(m, n, k, sms)
+    else:
+        cfg = pick_config(m, n, k, sms, fast_accum)
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
     # A 128 x 128 float32 accumulator over 4 warps would take 128 registers a thread.
     num_warps = cfg.num_warps if block_m <= 64 or interpreted else max(cfg.num_warps, 8)
@@ -223,7 +257,7 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     # fp32 partials (split * M * N * 4 bytes) at most 1/8 of the e4m3 weights (N * K)
     split = cfg.split_k or auto_split(grid_mn[0] * grid_mn[1], k_iters, sms, max(1, k // (32 * m)))
     k_chunk = -(-k_iters // split) * cfg.block_k
-    x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)
+    x_scale, w_scale = (s.reshape(-1) for s in scales) if scales is not None else (out, out)
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     counters = None
     if split > 1 and cfg.merge_here:
@@ -234,12 +268,12 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
-        PROMOTE=cfg.promote, PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
-        num_stages=cfg.num_stages,
+        PROMOTE=cfg.promote and scales is not None, PDL=pdl, launch_pdl=pdl,
+        SCALED=scales is not None, num_warps=num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
             out, part, x_scale, w_scale, m * n, n, split, out.stride(0), BLOCK=1024,
-            PDL=pdl, launch_pdl=pdl,
+            PDL=pdl, launch_pdl=pdl, SCALED=scales is not None,
         )  # fmt: skip
     return out
