@@ -29,7 +29,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from fp8_weight_only_gemm import LLAMA3_8B_LINEARS, ROTATE_BYTES, bench, rel_err, rotating
+from fp8_weight_only_gemm import (
+    LLAMA3_8B_LINEARS,
+    ROTATE_BYTES,
+    layer_sums,
+    rel_err,
+    time_row,
+)
 from variant_cli import start, write_result
 
 from pagedattn_kernels.quant import triton_launch as ql
@@ -99,38 +105,8 @@ def main() -> int:
                     "block_n": shown.block_n, "block_k": shown.block_k, "split_k": shown.split_k,
                     "num_warps": shown.num_warps, "num_stages": shown.num_stages}  # fmt: skip
                 row = {"op": name, "n": n, "k": k, "m": m, "variant": variant, **info}
-                try:
-                    err = rel_err(fn(ws[0]), ref)
-                    us = bench(rotating(fn, ws))
-                except Exception as exc:  # a tile shape that does not compile or fit
-                    rows.append({**row, "error": repr(exc)[:300]})
-                    log.info("%s M=%d %s %s: error %s", name, m, variant, info, repr(exc)[:200])
-                    continue
-                row.update(us=us, bw_frac=nbytes / us / 1e6 / copy_bw, rel_err_vs_bf16=err)
-                rows.append(row)
-                log.info("%-8s M=%-3d %-7s %-34s %8.1f us %5.1f%% of copy  err %.1e", name, m,
-                         variant, str(tuple(info.values())) if info else "", us,
-                         100 * row["bw_frac"], err)  # fmt: skip
-    best: dict[tuple, dict] = {}  # (m, op, bf16 | pick | config) -> fastest row
-    for r in rows:
-        key = (r["m"], r["op"], r["variant"])
-        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
-            best[key] = r
-    for r in rows:
-        if "us" in r and (r["m"], r["op"], "bf16") in best:
-            r["vs_bf16"] = best[(r["m"], r["op"], "bf16")]["us"] / r["us"]
-    layer = []
-    for m in args.m:
-        total: dict = {"m": m}
-        for variant in ("bf16", "pick", "config"):
-            ops = [best.get((m, name, variant)) for name in layers]
-            if all(ops):
-                total[f"{variant}_us"] = sum(r["us"] for r in ops)
-        for variant in ("pick", "config"):
-            if "bf16_us" in total and f"{variant}_us" in total:
-                total[f"{variant}_vs_bf16"] = total["bf16_us"] / total[f"{variant}_us"]
-        layer.append(total)
-        log.info("layer M=%-3d %s", m, {key: round(v, 3) for key, v in total.items()})
+                rows.append(time_row(row, info, fn, ws, ref, nbytes, copy_bw))
+    layer = layer_sums(rows, args.m, list(layers), ("bf16", "pick", "config"))
     write_result(args, "bf16_stream_gemm", "bf16_stream_gemm.py", copy_bw_TBps=copy_bw,
                  rows=rows, layer=layer)
     return 0

@@ -328,6 +328,53 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
 
+def time_row(row: dict, info: dict | None, fn, weights: list[torch.Tensor], ref: torch.Tensor,
+             nbytes: int, copy_bw: float) -> dict:  # fmt: skip
+    """``row`` with the variant ``fn`` timed over the rotated ``weights``: ``us``, ``bw_frac``
+    (``nbytes`` against the copy bandwidth) and ``rel_err_vs_bf16`` (against ``ref``); or with
+    ``error`` when it does not compile or fit. Logged either way, with its tiles (``info``)."""
+    tiles = "" if not info else str(tuple(info.values()))
+    try:
+        err = rel_err(fn(weights[0]), ref)
+        us = bench(rotating(fn, weights))
+    except Exception as exc:  # a tile shape that does not compile or fit
+        log.info("%s M=%d %s %s: error %s", row["op"], row["m"], row["variant"], tiles,
+                 repr(exc)[:200])  # fmt: skip
+        return {**row, "error": repr(exc)[:300]}
+    row.update(us=us, bw_frac=nbytes / us / 1e6 / copy_bw, rel_err_vs_bf16=err)
+    log.info("%-8s M=%-4d %-12s %-52s %8.1f us %5.1f%% of copy  err %.1e", row["op"], row["m"],
+             row["variant"], tiles, us, 100 * row["bw_frac"], err)  # fmt: skip
+    return row
+
+
+def layer_sums(rows: list[dict], ms: list[int], ops: list[str],
+               variants: tuple[str, ...]) -> list[dict]:  # fmt: skip
+    """Per M, the layer's time for each variant: the sum over ``ops`` of each one's fastest
+    row (``{variant}_us``), and ``{variant}_vs_bf16`` against the first variant, "bf16".
+    Also sets each timed row's ``vs_bf16`` (against the fastest bf16 row of its M and op)."""
+    best: dict[tuple, dict] = {}  # (m, op, variant) -> fastest row
+    for r in rows:
+        key = (r["m"], r["op"], r["variant"])
+        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    for r in rows:
+        if "us" in r and (r["m"], r["op"], "bf16") in best:
+            r["vs_bf16"] = best[(r["m"], r["op"], "bf16")]["us"] / r["us"]
+    layer = []
+    for m in ms:
+        total: dict = {"m": m}
+        for variant in variants:
+            found = [best.get((m, op, variant)) for op in ops]
+            if all(found):
+                total[f"{variant}_us"] = sum(r["us"] for r in found)
+        for variant in variants[1:]:
+            if "bf16_us" in total and f"{variant}_us" in total:
+                total[f"{variant}_vs_bf16"] = total["bf16_us"] / total[f"{variant}_us"]
+        layer.append(total)
+        log.info("layer M=%-4d %s", m, {key: round(v, 3) for key, v in total.items()})
+    return layer
+
+
 def rotating(fn, weights: list[torch.Tensor]):
     """A callable running ``fn`` on the next weight copy (captured into the graph as such)."""
     it = itertools.cycle(weights)
@@ -400,42 +447,9 @@ def main() -> int:
                 if time.monotonic() > deadline:
                     break
                 row = {"op": name, "n": n, "k": k, "m": m, "variant": variant, **(info or {})}
-                try:
-                    err = rel_err(fn(weights[0]), ref)
-                    us = bench(rotating(fn, weights))
-                except Exception as exc:  # a tile shape that does not compile or fit
-                    rows.append({**row, "error": repr(exc)[:300]})
-                    log.info("%s M=%d %s %s: error %s", name, m, variant, info, repr(exc)[:200])
-                    continue
-                nbytes = w_bytes + act_bytes
-                row.update(us=us, bw_frac=nbytes / us / 1e6 / copy_bw, rel_err_vs_bf16=err)
-                rows.append(row)
-                log.info("%-8s M=%-4d %-10s %-52s %8.1f us %5.1f%% of copy  err %.1e", name, m,
-                         variant, "" if info is None else str(tuple(info.values())), us,
-                         100 * row["bw_frac"], err)
-    best: dict[tuple, dict] = {}  # (m, op, variant) -> fastest row
-    for r in rows:
-        key = (r["m"], r["op"], r["variant"])
-        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
-            best[key] = r
-    for r in rows:
-        if "us" in r and (r["m"], r["op"], "bf16") in best:
-            r["vs_bf16"] = best[(r["m"], r["op"], "bf16")]["us"] / r["us"]
-    layer = []
-    for m in args.m:
-        total = {"m": m}
-        for variant in ("bf16", "fp8_linear", "fp8_prequant", "swap_pick", "swap_m256",
-                        "swap_fp8", "wo_fp8"):
-            ops = [best.get((m, name, variant)) for name in layers]
-            if all(ops):
-                total[f"{variant}_us"] = sum(r["us"] for r in ops)
-        if "bf16_us" in total:
-            for variant in ("fp8_linear", "fp8_prequant", "swap_pick", "swap_m256", "swap_fp8",
-                            "wo_fp8"):
-                if f"{variant}_us" in total:
-                    total[f"{variant}_vs_bf16"] = total["bf16_us"] / total[f"{variant}_us"]
-        layer.append(total)
-        log.info("layer M=%-4d %s", m, {key: round(v, 3) for key, v in total.items()})
+                rows.append(time_row(row, info, fn, weights, ref, w_bytes + act_bytes, copy_bw))
+    layer = layer_sums(rows, args.m, list(layers), ("bf16", "fp8_linear", "fp8_prequant",
+                                                    "swap_pick", "swap_m256", "swap_fp8", "wo_fp8"))
     # swap_fp8 per config: the layer's sum with one config for all four shapes, fastest
     # first per M
     swap_layer = []
