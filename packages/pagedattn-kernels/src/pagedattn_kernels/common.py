@@ -265,9 +265,9 @@ def use_pdl(device: torch.device) -> bool:
     previous kernel has finished and its writes are visible, so no kernel reads or overwrites
     anything early) and ``griddepcontrol.launch_dependents`` (the next kernel may launch now).
     What overlaps is the launch and the scheduling of the next kernel's programs, never a read
-    or write of their data. A kernel that
-    follows one not launched so (cuBLAS, a copy) just starts when that one ends. CUDA graphs
-    keep the dependency (captured as a programmatic edge).
+    or write of their data. A kernel that follows one not launched so (cuBLAS, a copy) just
+    starts when that one ends. CUDA graphs keep the dependency (captured as a programmatic
+    edge).
     """
     if device.type != "cuda" or os.environ.get(PDL_ENV, "1").strip() == "0":
         return False
