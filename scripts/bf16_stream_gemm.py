@@ -78,6 +78,7 @@ def main() -> int:
     if isinstance(run, int):
         return run
     args, deadline, copy_bw, gen = run.args, run.deadline, run.copy_bw, run.gen
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     layers = {}
     for name, n, k in LLAMA3_8B_LINEARS:
         w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
@@ -98,9 +99,7 @@ def main() -> int:
             for variant, cfg, fn in variants:
                 if time.monotonic() > deadline:
                     break
-                shown = cfg or (ql.pick_config_16bit(m, n, k, torch.cuda.get_device_properties(0)
-                                                     .multi_processor_count)
-                                if variant == "pick" else None)  # fmt: skip
+                shown = cfg or (ql.pick_config_16bit(m, n, k, sms) if variant == "pick" else None)
                 info = {} if shown is None else {
                     "block_n": shown.block_n, "block_k": shown.block_k, "split_k": shown.split_k,
                     "num_warps": shown.num_warps, "num_stages": shown.num_stages}  # fmt: skip
