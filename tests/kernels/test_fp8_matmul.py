@@ -1,4 +1,5 @@
-"""``fp8_matmul``: e4m3 rows times an e4m3 weight, against the float64 reference.
+"""``fp8_matmul``: e4m3 rows times an e4m3 weight, against the float64 reference; and
+``matmul_16bit``, its kernel on bf16 and fp16 operands.
 
 - every backend (the torch path, the Triton kernel in the interpreter and compiled) within an
   elementwise bound of the float64 product of the dequantized operands: the output's rounding
@@ -119,12 +120,12 @@ def test_fp8_matmul_fast_accumulation(target, seed):
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("split_k", [0, 1, 3])
 def test_matmul_16bit_within_bound(target, seed, dtype, split_k):
-    """The same kernel on 16-bit operands without scales (``triton_launch.matmul_16bit``, what
-    ``scripts/bf16_stream_gemm.py`` times against cuBLAS): ``x @ w.T`` within the output's
-    rounding plus float32 sums of K exact products, at the shapes above; split K merged by
-    the last split and by the second kernel alike (the same bits); the pick for each shape
-    (split 0: ``pick_config_16bit``, or the interpreter's tiles) and forced splits."""
-    if target.backend != "triton":
+    """``matmul_16bit``, the same kernel on 16-bit operands without scales (the engine's bf16
+    decode batches): ``x @ w.T`` within the output's rounding plus float32 sums of K exact
+    products of the float64 reference, at the shapes above, on every backend; on Triton split K
+    merged by the last split and by the second kernel alike (the same bits), the pick for each
+    shape (split 0: ``pick_config_16bit``, or the interpreter's tiles) and forced splits."""
+    if target.backend != "triton" and split_k:
         pytest.skip("a Triton kernel option")
     from pagedattn_kernels.quant import triton_launch as ql
 
@@ -136,10 +137,11 @@ def test_matmul_16bit_within_bound(target, seed, dtype, split_k):
             block_n=32 if not target.full else 64, block_k=32 if not target.full else 128,
             split_k=split_k, num_stages=1 if not target.full else 4)  # fmt: skip
         out = torch.full((m, n), float("nan"), dtype=dtype, device=target.device)
-        y = ql.matmul_16bit(x, w, out, cfg)
+        y = pk.matmul_16bit(x, w, out=out, config=cfg, backend=target.backend)
         assert y is out
-        ref = x.cpu().double() @ w.cpu().double().T
-        u = {F16: 2.0**-11, BF16: 2.0**-7 if not target.full else 2.0**-8}[dtype]
+        ref = reference.matmul_16bit(x.cpu(), w.cpu())
+        interpreted = target.backend == "triton" and not target.full
+        u = {F16: 2.0**-11, BF16: 2.0**-7 if interpreted else 2.0**-8}[dtype]
         bound = u * ref.abs() + (1 + u) * (k + 1) * 2.0**-24 * (x.cpu().double().abs()
                                                                @ w.cpu().double().abs().T)
         worst = float(((y.cpu().double() - ref).abs() / bound).max())
@@ -147,7 +149,37 @@ def test_matmul_16bit_within_bound(target, seed, dtype, split_k):
         if cfg is not None and split_k > 1:
             second = ql.Fp8MatmulConfig(cfg.block_n, cfg.block_k, split_k, cfg.num_warps,
                                         cfg.num_stages, merge_here=False)  # fmt: skip
-            assert torch.equal(ql.matmul_16bit(x, w, torch.empty_like(out), second), y)
+            assert torch.equal(pk.matmul_16bit(x, w, config=second, backend="triton"), y)
+
+
+def test_matmul_16bit_empty_shapes():
+    for backend in ("torch", "triton"):
+        w = torch.zeros(32, 64, dtype=BF16)
+        assert pk.matmul_16bit(torch.zeros(0, 64, dtype=BF16), w, backend=backend).shape == (0, 32)
+        y = pk.matmul_16bit(torch.zeros(3, 0, dtype=BF16), torch.zeros(5, 0, dtype=BF16),
+                            backend=backend)  # fmt: skip
+        assert torch.equal(y, torch.zeros(3, 5, dtype=BF16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_matmul_16bit_bad_calls_change_nothing(backend):
+    x = torch.zeros(4, 64, dtype=BF16)
+    w = torch.zeros(32, 64, dtype=BF16)
+    out = torch.full((4, 32), 7.0, dtype=BF16)
+    bad = [
+        (dict(x=x.float()), "x must be one of bfloat16, float16"),
+        (dict(w=w.to(F16)), "w must be one of bfloat16"),
+        (dict(x=x.reshape(4, 8, 8)), "x must have 2 dims"),
+        (dict(w=torch.zeros(32, 48, dtype=BF16)), "share the inner dimension"),
+        (dict(out=torch.empty(4, 31, dtype=BF16)), "out must be a torch.bfloat16 tensor"),
+        (dict(out=torch.empty(4, 32, dtype=F16)), "out must be a torch.bfloat16 tensor"),
+        (dict(out=torch.empty(32, 4, dtype=BF16).T), "contiguous rows"),
+    ]
+    for change, message in bad:
+        args = dict(x=x, w=w, out=out) | change
+        with pytest.raises(ValueError, match=message):
+            pk.matmul_16bit(args["x"], args["w"], out=args["out"], backend=backend)
+        assert torch.equal(out, torch.full((4, 32), 7.0, dtype=BF16))
 
 
 def test_pick_config_16bit_keeps_the_bytes_of_a_step():

@@ -18,7 +18,7 @@ import pagedattn_kernels
 from pagedattn_kernels import ops, reference
 
 # What the engine imports (packages/engine: attention.py, models/layers.py,
-# models/quantization.py, worker/model_runner.py).
+# models/quantization.py, models/dense_linear.py, worker/model_runner.py).
 ENGINE_NAMES = {
     "reshape_and_cache",
     "paged_attention",
@@ -36,6 +36,7 @@ ENGINE_NAMES = {
     "fused_add_rms_norm_fp8",
     "silu_and_mul_fp8",
     "fp8_matmul",
+    "matmul_16bit",
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "quantize_fp8_per_token",

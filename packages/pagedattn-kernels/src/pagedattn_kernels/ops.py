@@ -47,7 +47,7 @@ from pagedattn_kernels.fused.ops import (
     silu_and_mul,
     silu_and_mul_fp8,
 )
-from pagedattn_kernels.quant.ops import fp8_matmul, quantize_fp8_per_token
+from pagedattn_kernels.quant.ops import fp8_matmul, matmul_16bit, quantize_fp8_per_token
 from pagedattn_kernels.sampling.ops import argmax_rows
 
 __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
@@ -76,6 +76,7 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "silu_and_mul_fp8",
     # quant/
     "fp8_matmul",
+    "matmul_16bit",
     "quantize_fp8_per_token",
     # sampling/
     "argmax_rows",

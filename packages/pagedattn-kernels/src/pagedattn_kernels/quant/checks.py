@@ -63,3 +63,24 @@ def check_fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     ):
         raise fail(op, f"out must be a {out_dtype} tensor of shape ({m}, {n}) on {xq.device} "
                        f"with contiguous rows")  # fmt: skip
+
+
+def check_matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
+    op = "matmul_16bit"
+    check_float(op, "x", x, 2, (torch.bfloat16, torch.float16))
+    check_float(op, "w", w, 2, (x.dtype,))
+    (m, k), n = x.shape, w.shape[0]
+    if w.shape[1] != k:
+        raise fail(op, f"x {tuple(x.shape)} and w {tuple(w.shape)} must share the inner "
+                       f"dimension (w is [out, in])")  # fmt: skip
+    if w.device != x.device:
+        raise fail(op, f"w is on {w.device}, x on {x.device}")
+    if out is not None and (
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != (m, n)
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or (n > 1 and out.stride(1) != 1)
+    ):
+        raise fail(op, f"out must be a {x.dtype} tensor of shape ({m}, {n}) on {x.device} "
+                       f"with contiguous rows")  # fmt: skip

@@ -1,5 +1,6 @@
-"""The quantization ops: per-token (per-row) dynamic fp8 quantization of activations, and the
-fp8 matmul that takes them with per-channel fp8 weights.
+"""The quantization ops: per-token (per-row) dynamic fp8 quantization of activations, the fp8
+matmul that takes them with per-channel fp8 weights, and that matmul's kernel on 16-bit
+operands (``matmul_16bit``: the engine's bf16 decode batches).
 
 It checks its inputs (``checks``), then runs the implementation that fits the tensors' device
 (``pagedattn_kernels.common.resolve_backend``): the Triton kernel (``triton_launch``,
@@ -11,11 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from pagedattn_kernels.common import FP8_DTYPE, check_fp8_triton, resolve_backend
+from pagedattn_kernels.common import FP8_DTYPE, capability, check_fp8_triton, fail, resolve_backend
 from pagedattn_kernels.quant import torch_impl, triton_launch
-from pagedattn_kernels.quant.checks import check_fp8_matmul, check_quantize_fp8_per_token
+from pagedattn_kernels.quant.checks import (
+    check_fp8_matmul,
+    check_matmul_16bit,
+    check_quantize_fp8_per_token,
+)
 
-__all__ = ["fp8_matmul", "quantize_fp8_per_token"]
+__all__ = ["fp8_matmul", "matmul_16bit", "quantize_fp8_per_token"]
 
 
 def quantize_fp8_per_token(
@@ -77,3 +82,34 @@ def fp8_matmul(
     wq = wq if wq.shape[1] <= 1 or wq.stride(1) == 1 else wq.contiguous()
     return triton_launch.fp8_matmul(xq, x_scale.contiguous(), wq, w_scale.contiguous(), out,
                                     config, fast_accum)  # fmt: skip
+
+
+def matmul_16bit(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: object | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``y [M, N] = x @ w.T`` for bfloat16 or float16 ``x [M, K]`` and ``w [N, K]`` (one
+    dtype), in that dtype, with float32 sums: what ``F.linear`` computes without a bias. The
+    Triton kernel is ``fp8_matmul``'s without scales: the weight rows on the tensor-core
+    tile's long side and the few rows of ``x`` on its short side, so that a decode batch
+    streams the weights without wasting a tile (cuBLAS tiles the rows by 64 or more and splits
+    K with a second kernel). On an H200, Llama-3-8B's four linear layers at 1-32 rows took
+    113-117 us against cuBLAS's 118-124 (``scripts/bf16_stream_gemm.py``, 9b846dc); from 48
+    rows cuBLAS was faster. ``config``: its tiles (``triton_launch.Fp8MatmulConfig``; default
+    ``triton_launch.pick_config_16bit`` per shape). The torch path is ``torch.mm``."""
+    check_matmul_16bit(x, w, out)
+    if out is None:
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    if resolve_backend(x.device, backend) == "torch":
+        return torch_impl.matmul_16bit(x, w, out)
+    if x.device.type == "cuda" and capability(x.device) < (8, 0):
+        raise fail("matmul_16bit", f"the Triton kernel needs a GPU of compute capability 8.0 "
+                                   f"or newer (this one is {capability(x.device)}); use "
+                                   f"backend='torch'")  # fmt: skip
+    x = x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
+    w = w if w.shape[1] <= 1 or w.stride(1) == 1 else w.contiguous()
+    return triton_launch.matmul_16bit(x, w, out, config)

@@ -1,7 +1,7 @@
 """Float64-exact references of the quantization ops, written for obviousness: the scale from the
 row's largest magnitude, then each element to its nearest e4m3 value by search over the codes
 (``pagedattn_kernels.cache.reference.nearest_e4m3``), no cast involved; the fp8 matmul as the
-float64 product of the dequantized operands."""
+float64 product of the dequantized operands; the 16-bit matmul as the float64 product."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from pagedattn_kernels.cache.reference import nearest_e4m3
 
-__all__ = ["fp8_matmul", "quantize_fp8_per_token"]
+__all__ = ["fp8_matmul", "matmul_16bit", "quantize_fp8_per_token"]
 
 _FP8_MAX = 448.0
 _MIN_SCALE = 1.0 / (448.0 * 512.0)
@@ -39,3 +39,9 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     x = xq.to(torch.float64) * x_scale.reshape(-1, 1).to(torch.float64)
     w = wq.to(torch.float64) * w_scale.reshape(-1, 1).to(torch.float64)
     return x @ w.T
+
+
+def matmul_16bit(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ w.T``: what the kernels compute, before their float32 sums and the
+    output's rounding."""
+    return x.to(torch.float64) @ w.to(torch.float64).T

@@ -36,3 +36,8 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     y = xq.to(torch.float32) @ wq.to(torch.float32).T
     y = y * x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
     return out.copy_(y)
+
+
+def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` by torch's matmul (cuBLAS on a GPU, float32 sums), into ``out``."""
+    return torch.mm(x, w.T, out=out) if out.is_contiguous() else out.copy_(x @ w.T)

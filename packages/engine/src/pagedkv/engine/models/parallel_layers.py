@@ -41,6 +41,7 @@ from pagedkv.engine.distributed.communication import (
     tp_rank_size,
 )
 from pagedkv.engine.models.cpu_matmul import packed_linear
+from pagedkv.engine.models.dense_linear import dense_linear
 from pagedkv.engine.models.layers import copy_weight
 from pagedkv.engine.models.quantization import fp8_linear
 
@@ -94,7 +95,7 @@ class ColumnParallelLinear(nn.Linear):
         if self.packed_weight is not None and x.is_cpu:
             return packed_linear(x, self.packed_weight, self.bias)
         if self.weight_scale is None:
-            return F.linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
     def full_shape(self, leaf: str) -> tuple[int, ...]:
@@ -152,7 +153,7 @@ class RowParallelLinear(nn.Linear):
         if self.packed_weight is not None and x.is_cpu:
             return packed_linear(x, self.packed_weight, bias)
         if self.weight_scale is None:
-            return F.linear(x, self.weight, bias)
+            return dense_linear(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ FP8 = torch.float8_e4m3fn
 METHODS = ("fp8",)
 
 
-def _row_limit(var: str, default: str) -> int:
+def row_limit(var: str, default: str) -> int:
     """A row limit from the environment: a whole number >= 0 (unset: ``default``)."""
     text = os.environ.get(var, default)
     try:
@@ -90,7 +90,7 @@ def _row_limit(var: str, default: str) -> int:
 
 
 # Matmuls of at most this many rows go to pagedattn_kernels.fp8_matmul (see above).
-FP8_MATMUL_MAX_ROWS = _row_limit("PAGEDKV_FP8_MATMUL_MAX_ROWS", "128")
+FP8_MATMUL_MAX_ROWS = row_limit("PAGEDKV_FP8_MATMUL_MAX_ROWS", "128")
 # ... on these devices (the CPU keeps the float32 fallback, which is the same arithmetic).
 FP8_MATMUL_DEVICES = ("cuda",)
 # torch._scaled_mm's use_fast_accum and fp8_matmul's fast_accum (see above).
