@@ -71,7 +71,7 @@ def test_gpu_decode_rows_take_the_kernel(seed, dtype, kernel_calls, monkeypatch)
     x33 = torch.randn(33, k, device="cuda", dtype=dtype)
     dl.dense_linear(x33, w)
     dl.dense_linear(torch.randn(4, k, device="cuda"), w.float())
-    dl.dense_linear(torch.randn(4, k, device="cuda", dtype=dtype), w.to(torch.float32))
+    assert not dl.takes_matmul_16bit(x33[:4], w.float())  # mixed dtypes: F.linear's error
     monkeypatch.setattr(dl, "MATMUL_16BIT_MAX_ROWS", 0)
     dl.dense_linear(x33[:4], w)
     assert kernel_calls == []
