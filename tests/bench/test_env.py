@@ -44,8 +44,10 @@ def test_settings_that_change_a_run_are_recorded(monkeypatch):
     assert "settings" not in env.environment()
     monkeypatch.setenv("PAGEDATTN_PDL", "0")
     monkeypatch.setenv("PAGEDKV_FP8_FAST_ACCUM", "1")
+    monkeypatch.setenv("PAGEDKV_MATMUL_16BIT_MAX_ROWS", "0")
     monkeypatch.setenv("PAGEDKV_UNRELATED", "x")
-    assert env.environment()["settings"] == {"PAGEDATTN_PDL": "0", "PAGEDKV_FP8_FAST_ACCUM": "1"}
+    assert env.environment()["settings"] == {"PAGEDATTN_PDL": "0", "PAGEDKV_FP8_FAST_ACCUM": "1",
+                                             "PAGEDKV_MATMUL_16BIT_MAX_ROWS": "0"}  # fmt: skip
 
 
 def test_torch_is_reported_once_loaded():

@@ -111,12 +111,13 @@ def package_versions() -> dict[str, str]:
 
 
 #: Environment variables that change what a run measures (kernel launch, fp8 paths, backend).
-SETTING_PREFIXES = ("PAGEDATTN_", "PAGEDKV_FP8_", "PAGEDKV_FUSED_")
+SETTING_PREFIXES = ("PAGEDATTN_", "PAGEDKV_FP8_", "PAGEDKV_FUSED_", "PAGEDKV_MATMUL_16BIT_")
 
 
 def settings() -> dict[str, str]:
-    """The ``PAGEDATTN_*``, ``PAGEDKV_FP8_*`` and ``PAGEDKV_FUSED_*`` variables set for this run (e.g.
-    ``PAGEDATTN_PDL=0``): the command line alone would not tell two such runs apart."""
+    """The ``PAGEDATTN_*``, ``PAGEDKV_FP8_*``, ``PAGEDKV_FUSED_*`` and ``PAGEDKV_MATMUL_16BIT_*``
+    variables set for this run (e.g. ``PAGEDATTN_PDL=0``): the command line alone would not
+    tell two such runs apart."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTING_PREFIXES)}
 
 
