@@ -96,8 +96,8 @@ def matmul_16bit(
     dtype), in that dtype, with float32 sums: what ``F.linear`` computes without a bias. The
     Triton kernel is ``fp8_matmul``'s without scales: the weight rows on the tensor-core
     tile's long side and the few rows of ``x`` on its short side, so that a decode batch
-    streams the weights without wasting a tile (cuBLAS tiles the rows by 64 or more and splits
-    K with a second kernel). On an H200, Llama-3-8B's four linear layers at 1-32 rows took
+    streams the weights without wasting a tile, and split K is merged by the last split
+    instead of a second kernel. On an H200, Llama-3-8B's four linear layers at 1-32 rows took
     113-117 us against cuBLAS's 118-124 (``scripts/bf16_stream_gemm.py``, 9b846dc); from 48
     rows cuBLAS was faster. ``config``: its tiles (``triton_launch.Fp8MatmulConfig``; default
     ``triton_launch.pick_config_16bit`` per shape). The torch path is ``torch.mm``."""

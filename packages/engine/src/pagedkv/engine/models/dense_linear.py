@@ -2,9 +2,9 @@
 that streams the weights.
 
 A bf16 decode step of a few sequences is mostly weight reads: at 1-64 sequences Llama-3-8B's
-four linear layers are ~78% of the step on an H200. cuBLAS tiles the tokens by 64 or more and
-splits long K with a second kernel, so at 1-32 rows it reads the weights at 59-78% of the copy
-bandwidth for Q/K/V and the output projection (``scripts/bf16_stream_gemm.py``).
+four linear layers are ~78% of the step on an H200. At 1-32 rows cuBLAS's kernels read the
+weights of Q/K/V and the output projection at 59-78% of the copy bandwidth, and split the
+output projection's K with a second kernel (``scripts/bf16_stream_gemm.py``).
 ``pagedattn_kernels.matmul_16bit`` puts the weight rows on the tensor-core tile's long side
 and the few tokens on its short side (the kernel of ``fp8_matmul``, without scales) and merges
 split K in place: the four matmuls of a layer took 113-117 us against cuBLAS's 118-124 at 1-32
