@@ -19,7 +19,7 @@ bound of a pass split into 2-4 nano-batches that overlap perfectly (``nano_batch
 nano-batch reads the weights again), the best an engine that overlaps that way could do.
 
     python scripts/roofline_replay.py docs/performance/throughput_llama3_8b_sharegpt_real.json \\
-        --dataset .gpu_data/sharegpt_1000.json
+        docs/performance/throughput_llama3_8b_sharegpt_real_fp8.json --dataset .gpu_data/sharegpt_1000.json
 
 A run with fp8 weights or an fp8 cache (its JSON's ``quantization`` and ``kv_cache_dtype``) is
 costed as the benchmark costs it: the quantized layers at one byte a weight and the fp8
@@ -85,7 +85,8 @@ def nano_batch_bound(cost: ModelCost, hw: Hardware, n: int, p: tuple[int, int, i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run_json", help="a pagedkv.bench.throughput result with a roofline")
+    ap.add_argument("run_json", nargs="+",
+                    help="pagedkv.bench.throughput results with a roofline (each replayed)")
     ap.add_argument("--dataset", required=True, help="the run's requests (--dataset of the run)")
     ap.add_argument("--model", default="meta-llama/Meta-Llama-3-8B")
     ap.add_argument("--block-size", type=int, default=16)
@@ -94,9 +95,19 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    run = json.loads(Path(args.run_json).read_text())
-    if "roofline_bound_s" not in run:
-        raise SystemExit(f"{args.run_json}: no roofline in this run (a CPU run?)")
+    runs = {path: json.loads(Path(path).read_text()) for path in args.run_json}
+    for path, run in runs.items():
+        if "roofline_bound_s" not in run:
+            raise SystemExit(f"{path}: no roofline in this run (a CPU run?)")
+    for path, run in runs.items():
+        if len(runs) > 1:
+            print(f"== {path}")
+        report(run, args)
+    return 0
+
+
+def report(run: dict, args: argparse.Namespace) -> None:
+    """Replay one run and print its bounds (see the module docstring)."""
     requests = json.loads(Path(args.dataset).read_text())["requests"][: run["num_prompts"]]
     passes = replay(requests, blocks=run["num_gpu_blocks"], cpu_blocks=args.cpu_blocks,
                     block_size=args.block_size, max_num_seqs=run["max_num_seqs"],
@@ -146,7 +157,6 @@ def main() -> int:
         b, s = sum(bound[i] for i in mixed), sum(serial[i] for i in mixed)
         print(f"  prompt passes: bound {b:.3f} s, serial {s:.3f} s, run {run['mixed_seconds']:.3f} s: "
               f"{b / run['mixed_seconds']:.1%} / {s / run['mixed_seconds']:.1%}")
-    return 0
 
 
 if __name__ == "__main__":
