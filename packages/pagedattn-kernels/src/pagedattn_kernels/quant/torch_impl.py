@@ -40,4 +40,4 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
 
 def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` by torch's matmul (cuBLAS on a GPU, float32 sums), into ``out``."""
-    return torch.mm(x, w.T, out=out) if out.is_contiguous() else out.copy_(x @ w.T)
+    return torch.mm(x, w.T, out=out)

@@ -18,21 +18,14 @@ both, in another order: the outputs may differ in the last bit of bf16.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 import pagedattn_kernels
-from pagedkv.engine.models.quantization import row_limit
+from pagedkv.engine.models.quantization import cuda_capability, row_limit
 
 MATMUL_16BIT_MAX_ROWS = row_limit("PAGEDKV_MATMUL_16BIT_MAX_ROWS", "32")
 MATMUL_16BIT_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def takes_matmul_16bit(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -44,7 +37,7 @@ def takes_matmul_16bit(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // max(x.shape[-1], 1)
     if not 0 < rows <= MATMUL_16BIT_MAX_ROWS:
         return False
-    return _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return cuda_capability(x.device) >= (9, 0)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -119,17 +119,22 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _fp8_tensor_cores(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9) and hasattr(torch, "_scaled_mm")
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA ``device`` (asked once per GPU: the linear layers ask
+    on every call)."""
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`fp8_linear` runs ``torch._scaled_mm`` for these operands (a CUDA device
     of compute capability 8.9+, both matrix dims multiples of 16) or the float32 fallback."""
-    if not x.is_cuda:
+    if not x.is_cuda or not hasattr(torch, "_scaled_mm") or cuda_capability(x.device) < (8, 9):
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _fp8_tensor_cores(index) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
 def takes_fp8_matmul(q: torch.Tensor, weight: torch.Tensor) -> bool:
