@@ -182,19 +182,8 @@ SWAP_NARROW = [C(32, 256, 1, 4, s, promote=False) for s in (4, 6, 8)] + [
     C(32, 128, 1, 4, 8, promote=False), C(32, 256, 1, 2, 6, promote=False),
     C(32, 512, 1, 4, 4, promote=False), C(64, 256, 1, 4, 6, promote=False),
     C(64, 256, 1, 4, 8, promote=False)]  # fmt: skip
-# --swap-set exact: 65-256 rows in two or three power-of-two token tiles (``exact_rows``: 160
-# as 128 + 32 rather than 256, where cuBLAS's fp8 kernel takes 2 x 128), weight tiles of 64-256
-# rows (the wider, the fewer times each program re-reads the token tiles), against the pick
-# (one power-of-two tile up to 128, cuBLAS past 128 in the engine) and cuBLAS (fp8_prequant)
-SWAP_EXACT = [C(128, 128, 1, 8, 4, promote=False, exact_rows=True),
-              C(128, 128, 1, 8, 3, promote=False, exact_rows=True),
-              C(128, 128, 0, 8, 4, promote=False, exact_rows=True),
-              C(64, 128, 1, 4, 4, promote=False, exact_rows=True),
-              C(64, 128, 0, 4, 4, promote=False, exact_rows=True),
-              C(128, 64, 1, 8, 6, promote=False, exact_rows=True),
-              C(256, 128, 1, 8, 3, promote=False, exact_rows=True)]  # fmt: skip
 SWAP_SETS = {"broad": SWAP_CONFIGS, "refine": SWAP_REFINE, "pick": SWAP_PICK,
-             "narrow": SWAP_NARROW, "exact": SWAP_EXACT}  # fmt: skip
+             "narrow": SWAP_NARROW}  # fmt: skip
 # swap_m256 (M of 129-256 only): all the tokens in one 256-wide tile, so each program reads
 # its weight tile once, with pipelines shallow enough for the shared memory (sm_90 offline
 # compiles, Triton 3.6: 119-197 registers, no spills, 160-192 KB); 8 warps, fast accumulation
@@ -313,25 +302,22 @@ def check() -> int:
                  rel_err(y, ref), worst, "ok" if worst <= 1.0 else "WRONG")  # fmt: skip
     # swap_fp8 (pagedattn_kernels.fp8_matmul, tested in tests/kernels/test_fp8_matmul.py) on
     # the same bound over its quantized operands, with small tiles and forced splits
-    # (and 150 rows in one 256-wide tile of tokens, as swap_m256 takes them; 112 and 176 in
-    # three exact tiles, as swap-set exact takes them)
-    for m, n, k, split, exact in ((1, 96, 256, 1, False), (21, 64, 192, 3, False),
-                                  (70, 48, 136, 2, False), (150, 40, 96, 2, False),
-                                  (112, 48, 136, 1, True), (176, 40, 96, 2, True)):  # fmt: skip
-        cfg = Fp8MatmulConfig(32, 64, split, 4, 1 if dev == "cpu" else 4, exact_rows=exact)
+    # (and 150 rows in one 256-wide tile of tokens, as swap_m256 takes them)
+    for m, n, k, split in ((1, 96, 256, 1), (21, 64, 192, 3), (70, 48, 136, 2),
+                           (150, 40, 96, 2)):  # fmt: skip
+        cfg = Fp8MatmulConfig(32, 64, split, 4, 1 if dev == "cpu" else 4)
         wq, ws = quantize_weight((torch.randn(n, k, generator=gen, device=dev) * 0.1)
                                  .to(torch.bfloat16))  # fmt: skip
         xq, xs = pagedattn_kernels.quantize_fp8_per_token(
             torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16))
-        y = make_swap(xq, xs, ws, n, cfg, 256 if m > 128 and not exact else None)(wq).double()
+        y = make_swap(xq, xs, ws, n, cfg, 256 if m > 128 else None)(wq).double()
         xd, wd = xq.double() * xs.double(), wq.double() * ws.reshape(-1, 1).double()
         ref = xd @ wd.T
         bound = u * ref.abs() + (1 + u) * (k + 3) * 2.0**-24 * (xd.abs() @ wd.abs().T)
         worst = float(((y - ref).abs() / bound).max())
         bad += not worst <= 1.0
-        log.info("swap M=%-3d N=%-3d K=%-3d split=%d%s: rel err %.1e, worst |err|/bound %.2f %s",
-                 m, n, k, split, " exact" if exact else "", rel_err(y, ref), worst,
-                 "ok" if worst <= 1.0 else "WRONG")  # fmt: skip
+        log.info("swap M=%-3d N=%-3d K=%-3d split=%d: rel err %.1e, worst |err|/bound %.2f %s",
+                 m, n, k, split, rel_err(y, ref), worst, "ok" if worst <= 1.0 else "WRONG")  # fmt: skip
     return bad
 
 
@@ -399,8 +385,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     ap.add_argument("--swap-set", choices=tuple(SWAP_SETS), default="broad",
-                    help="the swap_fp8 configs: SWAP_CONFIGS, SWAP_REFINE, SWAP_PICK, "
-                    "SWAP_NARROW or SWAP_EXACT")
+                    help="the swap_fp8 configs: SWAP_CONFIGS, SWAP_REFINE, SWAP_PICK or "
+                    "SWAP_NARROW")
     ap.add_argument("--only", default="", help="comma-separated variants to time (default: "
                     "all of bf16, fp8_linear, fp8_prequant, swap_pick, swap_m256 past 128 rows, "
                     "swap_fp8, wo_fp8)")
@@ -443,7 +429,7 @@ def main() -> int:
                 info = {"kind": "swap", "block_n": cfg.block_n, "block_k": cfg.block_k,
                         "split_k": cfg.split_k, "num_warps": cfg.num_warps,
                         "num_stages": cfg.num_stages, "merge_here": cfg.merge_here,
-                        "promote": cfg.promote, "exact_rows": cfg.exact_rows}  # fmt: skip
+                        "promote": cfg.promote}  # fmt: skip
                 variants.append(("swap_fp8", info, make_swap(xq, xs, ws, n, cfg), wqs,
                                  n * k + 4 * n))  # fmt: skip
             for cfg in CONFIGS:
@@ -472,8 +458,7 @@ def main() -> int:
         for r in rows:
             if r["m"] == m and r["variant"] == "swap_fp8" and "us" in r:
                 key = tuple(r[f] for f in ("block_n", "block_k", "split_k", "num_warps",
-                                           "num_stages", "merge_here", "promote",
-                                           "exact_rows"))  # fmt: skip
+                                           "num_stages", "merge_here", "promote"))  # fmt: skip
                 sums.setdefault(key, []).append(r["us"])
         bf16_us = next((t["bf16_us"] for t in layer if t["m"] == m and "bf16_us" in t), None)
         for key, us in sorted(sums.items(), key=lambda kv: sum(kv[1])):

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -98,54 +96,6 @@ def test_fp8_matmul_split_k(target, seed, split_k):
     assert torch.equal(pk.fp8_matmul(xq, xs, wq, ws, config=other, backend="triton"), y)
     if split_k > 1:
         assert not ql._COUNTERS[xq.device].any()
-
-
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_fp8_matmul_exact_token_tiles(target, seed, split_k):
-    """``exact_rows``: a block of tokens in two or three power-of-two tiles (80 rows as 64 + 16,
-    112 as 64 + 32 + 16, 176 as 128 + 32 + 16, 240 as 128 + 64 + 64), each multiplied with
-    every weight tile: within the bound, with and without split-K (both merges: the same
-    bits), the merge's counts left at zero; past ``MAX_EXACT_ROWS`` one 128-token tile per
-    block, as without the option."""
-    if target.backend != "triton":
-        pytest.skip("a Triton kernel option")
-    from pagedattn_kernels.quant import triton_launch as ql
-
-    gen = target.generator(seed)
-    n, k = (40, 96) if not target.full else (4096, 4096)
-    for m in (80, 112, 176, 240, 300):
-        cfg = ql.Fp8MatmulConfig(block_n=32 if not target.full else 128, block_k=64,
-                                 split_k=split_k, num_warps=4 if not target.full else 8,
-                                 num_stages=1 if not target.full else 3,
-                                 exact_rows=True)  # fmt: skip
-        xq, xs, wq, ws = _operands(gen, m, n, k, target.device)
-        y = pk.fp8_matmul(xq, xs, wq, ws, config=cfg, backend="triton")
-        ref, bound = _bound(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), BF16, not target.full)
-        worst = float(((y.cpu().double() - ref).abs() / bound).max())
-        assert worst <= 1.0, f"M={m} split {split_k}: |err| / bound {worst:.2f} (seed={seed})"
-        second = dataclasses.replace(cfg, merge_here=False)
-        assert torch.equal(pk.fp8_matmul(xq, xs, wq, ws, config=second, backend="triton"), y)
-        if split_k > 1:
-            assert not ql._COUNTERS[xq.device].any()
-
-
-def test_token_tiles():
-    """One program's token tiles: a power of two (16 at least, 128 at most) without
-    ``exact``; with it, the rows rounded up to 16 as up to three powers of two, largest first,
-    up to ``MAX_EXACT_ROWS``."""
-    from pagedattn_kernels.quant.triton_launch import MAX_EXACT_ROWS, token_tiles
-
-    assert [token_tiles(m) for m in (1, 16, 17, 80, 160, 300)] == [
-        (16, 0, 0), (16, 0, 0), (32, 0, 0), (128, 0, 0), (128, 0, 0), (128, 0, 0)]
-    expect = {1: (16, 0, 0), 48: (32, 16, 0), 65: (64, 16, 0), 112: (64, 32, 16),
-              128: (128, 0, 0), 160: (128, 32, 0), 176: (128, 32, 16), 208: (128, 64, 16),
-              240: (128, 64, 64), 256: (128, 128, 0), 257: (128, 0, 0)}  # fmt: skip
-    for m, tiles in expect.items():
-        assert token_tiles(m, exact=True) == tiles, m
-    for m in range(1, MAX_EXACT_ROWS + 1):
-        tiles = [t for t in token_tiles(m, exact=True) if t]
-        assert m <= sum(tiles) < m + 16 or sum(tiles) == 256, m
-        assert all(t & (t - 1) == 0 and 16 <= t <= 128 for t in tiles), m
 
 
 def test_fp8_matmul_fast_accumulation(target, seed):

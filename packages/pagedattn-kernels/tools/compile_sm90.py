@@ -352,14 +352,6 @@ def _fp8_variants() -> None:
                 quant.matmul_16bit(torch.empty(m, k, dtype=torch.bfloat16),
                                    torch.empty(n, k, dtype=torch.bfloat16),
                                    torch.empty(m, n, dtype=torch.bfloat16), cfg)  # fmt: skip
-        # 65-256 rows in exact token tiles (scripts/fp8_weight_only_gemm.py --swap-set exact)
-        for m in (80, 176, 240):
-            for block_n, stages, warps in ((64, 4, 4), (128, 4, 8), (256, 3, 8)):
-                quant.fp8_matmul(torch.empty(m, 4096, dtype=kc.dtype), torch.ones(m),
-                                 torch.empty(28672, 4096, dtype=kc.dtype), torch.ones(28672),
-                                 torch.empty(m, 28672, dtype=dtype),
-                                 quant.Fp8MatmulConfig(block_n, 128, 1, warps, stages,
-                                                       promote=False, exact_rows=True))  # fmt: skip
         x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
         fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
         fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)

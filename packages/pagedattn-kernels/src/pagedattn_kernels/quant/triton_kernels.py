@@ -208,48 +208,6 @@ def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _token_tile(x_ptrs, rm, rk, k, K, M, EVEN_K: tl.constexpr):
-    """The ``[BLOCK_K, len(rm)]`` view ``x_ptrs`` of token rows ``rm``, at K offset ``k``
-    (rows past M and columns past K read as zeros, from no memory)."""
-    ptrs = x_ptrs + k
-    if EVEN_K:
-        return tl.load(ptrs, mask=(rm < M)[None, :], other=0.0)
-    return tl.load(ptrs, mask=(k + rk < K)[:, None] & (rm < M)[None, :], other=0.0)
-
-
-@triton.jit
-def _tile_dot(w, x, acc, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PROMOTE: tl.constexpr):
-    """``acc + w @ x`` (see ``fp8_matmul_kernel``'s UPCAST and PROMOTE)."""
-    if UPCAST:
-        return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-    elif PROMOTE:
-        # Hopper's fp8 MMA keeps fewer bits than fp32 while it accumulates: promote each
-        # BLOCK_K slice into the fp32 accumulator (as cuBLAS does without fast accumulation).
-        # Unpromoted, an H200 was 1.1-2.75x past the exact-accumulation bound at K = 4096.
-        return tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
-    return tl.dot(w, x, acc)
-
-
-@triton.jit
-def _store_partial(acc, part_ptr, pid_k, rn, rm, M, N):
-    """A split's raw float32 sums ``acc [rn, rm]`` into ``part [split, M, N]``."""
-    mask = (rn < N)[:, None] & (rm < M)[None, :]
-    tl.store(part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
-
-
-@triton.jit
-def _merge_partials(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, splits, stride_ym,
-                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
-    """The splits' partials of tile ``[rn, rm]`` summed in split order, then stored."""
-    mask = (rn < N)[:, None] & (rm < M)[None, :]
-    part = part_ptr + rm[None, :] * N + rn[:, None]
-    total = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
-    for s in range(splits):  # from L2 (".cg"): other SMs wrote them
-        total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-    _store_scaled(total, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask, SCALED)
-
-
 # The row count and what follows from it change with every decode batch, the split count
 # with the shape: never specialized on (a serving run would stall to compile a variant at
 # each first "1" or multiple of 16).
@@ -280,17 +238,15 @@ def fp8_matmul_kernel(
     PROMOTE: tl.constexpr,
     PDL: tl.constexpr = False,
     SCALED: tl.constexpr = True,
-    BLOCK_M2: tl.constexpr = 0,
-    BLOCK_M3: tl.constexpr = 0,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
     [BLOCK_K, BLOCK_M]``. Grid: (M blocks, N blocks, splits); split ``s`` sums K range
     [s * k_chunk, + k_chunk) (k_chunk a multiple of BLOCK_K). The M blocks come first so that
-    past one block of tokens the programs that read the same weight tile launch side by side,
-    and all but the first find it in L2. With N first they were a whole grid row apart, and a
-    weight larger than L2 (gate/up's 117 MB or down's 59 MB on Llama-3-8B, against an H200's
-    50 MB) streamed from memory once per block of tokens.
+    past one block of tokens (129 rows and more) the programs that read the same weight tile
+    launch side by side, and all but the first find it in L2. With N first they were a whole
+    grid row apart, and a weight larger than L2 (gate/up's 117 MB or down's 59 MB on
+    Llama-3-8B, against an H200's 50 MB) streamed from memory once per block of tokens.
 
     Why swapped: at decode batch sizes M (the tokens) is 1-64, while a tensor-core tile's M
     side is 64 on sm_90's wgmma (cuBLAS's fp8 kernels take 128 rows there). The weight rows
@@ -299,12 +255,6 @@ def fp8_matmul_kernel(
     K-contiguous, as wgmma takes fp8: no conversion in the loop (sm_90 offline compile: QGMMA,
     about 90 instructions per 16 KB of weights), and the weights are read once, at half
     bf16's bytes.
-
-    BLOCK_M2, BLOCK_M3 (0: none): a block of tokens in two or three tiles of power-of-two
-    widths, ``BLOCK_M + BLOCK_M2 + BLOCK_M3`` tokens, each weight tile multiplied with each
-    token tile as it passes. Between 65 and 256 tokens the MMAs' cost is no longer hidden
-    behind the weights' stream, and one power-of-two tile pads 160 tokens to 256 (62% more
-    multiplies); 128 + 32 pads none.
 
     Weight rows past N re-read valid ones (``% N``: no mask on the weight loads) and are not
     stored. Token rows past M are masked out of the loads (zeros, no memory read): re-reading
@@ -333,62 +283,46 @@ def fp8_matmul_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m0 = pid_m * (BLOCK_M + BLOCK_M2 + BLOCK_M3)
-    rm = m0 + tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptrs = xq_ptr + rm.to(tl.int64)[None, :] * stride_xm + rk[:, None]  # [K, M] view
+    row_ok = (rm < M)[None, :]
     k_lo = pid_k * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, K)
-    x_ptrs = xq_ptr + rm.to(tl.int64)[None, :] * stride_xm + rk[:, None]  # [K, M] view
     acc = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
-    if BLOCK_M2 > 0:
-        rm2 = m0 + BLOCK_M + tl.arange(0, BLOCK_M2)
-        x2_ptrs = xq_ptr + rm2.to(tl.int64)[None, :] * stride_xm + rk[:, None]
-        acc2 = tl.full([BLOCK_N, BLOCK_M2], 0.0, tl.float32)
-    if BLOCK_M3 > 0:
-        rm3 = m0 + BLOCK_M + BLOCK_M2 + tl.arange(0, BLOCK_M3)
-        x3_ptrs = xq_ptr + rm3.to(tl.int64)[None, :] * stride_xm + rk[:, None]
-        acc3 = tl.full([BLOCK_N, BLOCK_M3], 0.0, tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptrs + k, mask=row_ok, other=0.0)
         else:
             w = tl.load(w_ptrs + k, mask=(k + rk < K)[None, :], other=0.0)
-        x = _token_tile(x_ptrs, rm, rk, k, K, M, EVEN_K)
-        acc = _tile_dot(w, x, acc, BLOCK_K, UPCAST, PROMOTE)
-        if BLOCK_M2 > 0:
-            x2 = _token_tile(x2_ptrs, rm2, rk, k, K, M, EVEN_K)
-            acc2 = _tile_dot(w, x2, acc2, BLOCK_K, UPCAST, PROMOTE)
-        if BLOCK_M3 > 0:
-            x3 = _token_tile(x3_ptrs, rm3, rk, k, K, M, EVEN_K)
-            acc3 = _tile_dot(w, x3, acc3, BLOCK_K, UPCAST, PROMOTE)
+            x = tl.load(x_ptrs + k, mask=(k + rk < K)[:, None] & row_ok, other=0.0)
+        if UPCAST:
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+        elif PROMOTE:
+            # Hopper's fp8 MMA keeps fewer bits than fp32 while it accumulates: promote each
+            # BLOCK_K slice into the fp32 accumulator (as cuBLAS does without fast accumulation).
+            # Unpromoted, an H200 was 1.1-2.75x past the exact-accumulation bound at K = 4096.
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(w, x, acc)
+    mask = (rn < N)[:, None] & (rm < M)[None, :]
     if not SPLIT:
-        _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
-                      (rn < N)[:, None] & (rm < M)[None, :], SCALED)  # fmt: skip
-        if BLOCK_M2 > 0:
-            _store_scaled(acc2, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm2, M, N, stride_ym,
-                          (rn < N)[:, None] & (rm2 < M)[None, :], SCALED)  # fmt: skip
-        if BLOCK_M3 > 0:
-            _store_scaled(acc3, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm3, M, N, stride_ym,
-                          (rn < N)[:, None] & (rm3 < M)[None, :], SCALED)  # fmt: skip
+        _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask,
+                      SCALED)  # fmt: skip
     else:
-        _store_partial(acc, part_ptr, pid_k, rn, rm, M, N)
-        if BLOCK_M2 > 0:
-            _store_partial(acc2, part_ptr, pid_k, rn, rm2, M, N)
-        if BLOCK_M3 > 0:
-            _store_partial(acc3, part_ptr, pid_k, rn, rm3, M, N)
+        part = part_ptr + rm[None, :] * N + rn[:, None]
+        tl.store(part + pid_k * M * N, acc, mask=mask)
         if MERGE_HERE:
             tl.debug_barrier()  # every thread's partial is stored before the count moves
             counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
             if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-                _merge_partials(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N,
-                                splits, stride_ym, BLOCK_N, BLOCK_M, SCALED)  # fmt: skip
-                if BLOCK_M2 > 0:
-                    _merge_partials(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, rn, rm2, M, N,
-                                    splits, stride_ym, BLOCK_N, BLOCK_M2, SCALED)  # fmt: skip
-                if BLOCK_M3 > 0:
-                    _merge_partials(y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, rn, rm3, M, N,
-                                    splits, stride_ym, BLOCK_N, BLOCK_M3, SCALED)  # fmt: skip
+                total = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+                for s in range(splits):  # from L2 (".cg"): other SMs wrote them
+                    total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_scaled(total, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
+                              mask, SCALED)  # fmt: skip
                 tl.atomic_xchg(counter, 0)
 
 

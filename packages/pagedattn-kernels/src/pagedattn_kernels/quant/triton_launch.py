@@ -122,9 +122,7 @@ class Fp8MatmulConfig:
     split that fills the SMs (``auto_split``). ``merge_here``: a split matmul's last split
     per tile sums the partials (the kernel's MERGE_HERE), else a second kernel does.
     ``promote``: exact float32 accumulation (the kernel's PROMOTE), else the tensor cores'
-    fast accumulation, as ``torch._scaled_mm(use_fast_accum=True)``. ``exact_rows``: up to
-    ``MAX_EXACT_ROWS`` tokens in one program's two or three power-of-two tiles that pad at
-    most 15 rows (``token_tiles``), rather than one tile padded to a power of two."""
+    fast accumulation, as ``torch._scaled_mm(use_fast_accum=True)``."""
 
     block_n: int = 128
     block_k: int = 128
@@ -133,34 +131,12 @@ class Fp8MatmulConfig:
     num_stages: int = 4
     merge_here: bool = True
     promote: bool = True
-    exact_rows: bool = False
 
 
 #: Most tokens per tile (the wgmma's N side, which goes to 256): 65-128 rows in one tile read
 #: the weights once instead of twice.
 MAX_BLOCK_M = 128
 _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
-#: Most tokens one program takes in exact tiles (``Fp8MatmulConfig.exact_rows``).
-MAX_EXACT_ROWS = 256
-
-
-def token_tiles(m: int, exact: bool = False) -> tuple[int, int, int]:
-    """The widths of one program's token tiles for ``m`` rows (0: no such tile): one power
-    of two from 16 to ``MAX_BLOCK_M``, the grid covering the rest; or, ``exact`` and ``m`` at
-    most ``MAX_EXACT_ROWS``, ``m`` rounded up to 16 as a sum of up to three powers of two of
-    at most ``MAX_BLOCK_M`` (the largest first, the last rounded up where three do not reach):
-    160 rows as 128 + 32 instead of 256, 80 as 64 + 16 instead of 128."""
-    if not exact or m > MAX_EXACT_ROWS:
-        return min(MAX_BLOCK_M, max(16, next_power_of_2(m))), 0, 0
-    left = max(16, -(-m // 16) * 16)
-    tiles = []
-    while left and len(tiles) < 2:
-        tile = min(MAX_BLOCK_M, 1 << (left.bit_length() - 1))
-        tiles.append(tile)
-        left -= tile
-    if left:
-        tiles.append(min(MAX_BLOCK_M, next_power_of_2(left)))
-    return (*tiles, 0, 0)[:3]
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -274,8 +250,7 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
         cfg = pick_config_16bit(m, n, k, sms)
     else:
         cfg = pick_config(m, n, k, sms, fast_accum)
-    tiles = token_tiles(m, cfg.exact_rows)
-    block_m = sum(tiles)
+    block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
     # A 128 x 128 float32 accumulator over 4 warps would take 128 registers a thread.
     num_warps = cfg.num_warps if block_m <= 64 or interpreted else max(cfg.num_warps, 8)
     grid_mn = (-(-m // block_m), -(-n // cfg.block_n))
@@ -292,8 +267,7 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
     kernels.fp8_matmul_kernel[(*grid_mn, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_M=tiles[0], BLOCK_M2=tiles[1], BLOCK_M3=tiles[2],
-        BLOCK_K=cfg.block_k, SPLIT=split > 1,
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
         PROMOTE=cfg.promote and scales is not None, PDL=pdl, launch_pdl=pdl,
         SCALED=scales is not None, num_warps=num_warps, num_stages=cfg.num_stages,
