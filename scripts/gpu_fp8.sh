@@ -28,8 +28,9 @@
 #     (`..._sharegpt_like*.json` without the file)
 #   bash scripts/gpu_fp8.sh ratio              # ~4 min, carrying .gpu_data
 #     fp8 weights + fp8 KV then bf16 (no transformers runs), RATIO_ROUNDS (2) times
-#     interleaved: each round's fp8/bf16 ratio, their median and spread
-#                                                  -> ..._{fp8,bf16}_r{1,2}.json
+#     interleaved: each round's fp8/bf16 ratio, their median and spread; RATIO_KINDS="fp8
+#     fp8lm bf16" adds fp8 with --quantize-lm-head to each round
+#                                  -> ratio_summary.json, the last round's ..._{fp8,bf16}_rN.json
 #   bash scripts/gpu_fp8.sh dense              # ~4 min, carrying .gpu_data
 #     the bf16 run with its decode matmuls of up to PAGEDKV_MATMUL_16BIT_MAX_ROWS rows in
 #     pagedattn_kernels.matmul_16bit (32, the default) and in F.linear (0), DENSE_LIMITS in
@@ -101,7 +102,8 @@
 #                                                  -> ..._real_fp8_exact.json
 #   bash scripts/gpu_fp8.sh accuracy           # ~1 min, with the embedded model joined
 #     `python -m pagedkv.bench.fp8_accuracy` in bf16 on the GPU: greedy agreement of fp8 KV,
-#     fp8 weights and both with bf16, 64 prompts x 64 tokens -> fp8_accuracy_smollm2_bf16.json
+#     fp8 weights and both with bf16, and of both with the LM head in fp8 (--quantize-lm-head),
+#     64 prompts x 64 tokens (ACC_VARIANTS picks others) -> fp8_accuracy_smollm2_bf16.json
 #
 # Prepare on a CPU machine first (the GPU machine has neither the dataset nor the tokenizer):
 #   python -m pagedkv.bench.paper_gpu prepare --num-prompts 1000 \
@@ -272,31 +274,54 @@ for part in "${parts[@]}"; do
     ratio)
       # Issue 20's fp8 goal as a same-call comparison: fp8 weights + fp8 KV, then bf16, no
       # transformers runs, RATIO_ROUNDS (2) times interleaved; each round's ratio, then their
-      # median and spread. The logs stay in /tmp (a call returns 8 files), the JSONs come back.
+      # median and spread. RATIO_KINDS (fp8 bf16) lists the runs of a round: fp8lm is fp8 with
+      # --quantize-lm-head. The logs stay in /tmp and only the last round's JSONs come back (a
+      # call returns 8 files), with ratio_summary.json: every run's figures.
       keep_out=$OUT; OUT=/tmp/pagedkv-ratio; mkdir -p "$OUT"
+      kinds=(${RATIO_KINDS:-fp8 bf16})
       for ((round = 1; round <= ${RATIO_ROUNDS:-2}; round++)); do
-        throughput "_fp8_r$round" --kv-cache-dtype fp8 --quantization fp8 | grep -E "^\{'output"
-        throughput "_bf16_r$round" | grep -E "^\{'output"
-        cp "$OUT"/throughput_"${name}"_{fp8,bf16}_r"$round".json "$keep_out"/ 2>/dev/null
+        for kind in "${kinds[@]}"; do
+          case $kind in
+            fp8) extra=(--kv-cache-dtype fp8 --quantization fp8) ;;
+            fp8lm) extra=(--kv-cache-dtype fp8 --quantization fp8 --quantize-lm-head) ;;
+            *) extra=() ;;
+          esac
+          throughput "_${kind}_r$round" "${extra[@]}" | grep -E "^\{'output"
+        done
       done
-      OUT=$keep_out
-      "$PYTHON" - "$OUT" "$name" "${RATIO_ROUNDS:-2}" <<'PY'
+      for kind in "${kinds[@]}"; do
+        cp "$OUT/throughput_${name}_${kind}_r${RATIO_ROUNDS:-2}.json" "$keep_out"/ 2>/dev/null
+      done
+      "$PYTHON" - "$OUT" "$name" "${RATIO_ROUNDS:-2}" "$keep_out/ratio_summary.json" "${kinds[@]}" <<'PY'
 import json, statistics, sys
-out, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ratios = []
+out, name, rounds, summary, *kinds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:]
+runs, ratios = {}, {k: [] for k in kinds if k != "bf16"}
 for r in range(1, rounds + 1):
-    try:
-        fp8, bf16 = (json.load(open(f"{out}/throughput_{name}_{k}_r{r}.json"))["output_tok_s"]
-                     for k in ("fp8", "bf16"))
-    except (OSError, KeyError) as exc:
-        print(f"round {r}: no figures ({exc})")
-        continue
-    ratios.append(fp8 / bf16)
-    print(f"round {r}: fp8 {fp8:,.0f} / bf16 {bf16:,.0f} output tok/s = {fp8 / bf16:.3f}x")
-if ratios:
-    print(f"fp8 / bf16: median {statistics.median(ratios):.3f}x, "
-          f"spread {min(ratios):.3f}-{max(ratios):.3f}x over {len(ratios)} rounds (goal 1.5x)")
+    for k in kinds:
+        try:
+            d = json.load(open(f"{out}/throughput_{name}_{k}_r{r}.json"))
+        except OSError as exc:
+            print(f"round {r} {k}: no figures ({exc})")
+            continue
+        runs[f"{k}_r{r}"] = {f: d.get(f) for f in ("output_tok_s", "roofline_frac", "seconds",
+                             "mixed_seconds", "decode_seconds", "num_gpu_blocks",
+                             "quantize_lm_head", "roofline_serial_frac")}
+        runs[f"{k}_r{r}"]["bands_s"] = {b: v["seconds"] for b, v in d.get("decode_host_gap_by_batch", {}).items()}
+    bf16 = runs.get(f"bf16_r{r}")
+    for k in ratios:
+        if bf16 and f"{k}_r{r}" in runs:
+            ratio = runs[f"{k}_r{r}"]["output_tok_s"] / bf16["output_tok_s"]
+            ratios[k].append(ratio)
+            print(f"round {r}: {k} {runs[f'{k}_r{r}']['output_tok_s']:,.0f} / bf16 {bf16['output_tok_s']:,.0f} output tok/s = {ratio:.3f}x")
+for k, rs in ratios.items():
+    if rs:
+        print(f"{k} / bf16: median {statistics.median(rs):.3f}x, spread {min(rs):.3f}-{max(rs):.3f}x over {len(rs)} rounds (goal 1.5x)")
+for key, run in runs.items():
+    print(f"{key}: {run['output_tok_s']:,.0f} tok/s, {run['seconds']:.2f} s (prompt passes "
+          f"{run['mixed_seconds'] or 0:.2f}), roofline {run['roofline_frac'] or 0:.1%}, bands {run['bands_s']}")
+json.dump({"runs": runs, "ratios": ratios}, open(summary, "w"), indent=1)
 PY
+      OUT=$keep_out
       ;;
     dense)
       # bf16 linear layers of at most PAGEDKV_MATMUL_16BIT_MAX_ROWS rows through
@@ -512,14 +537,14 @@ PY
         source scripts/gpu_embedded_model.sh || { echo "=== accuracy: skipped (no embedded model)"; continue; }
         if [[ ! -f $PROMPTS ]]; then echo "=== accuracy: skipped (no $PROMPTS: see the header)"; continue; fi
         acc=(--device cuda --dtype bfloat16 --gpu-memory-utilization 0.5 --prompts-file "$PROMPTS" --skip-tokenizer-init
-             --variants control,kv_fp8,weights_fp8,kv_and_weights_fp8)
+             --variants "${ACC_VARIANTS:-control,kv_fp8,weights_fp8,kv_and_weights_fp8,weights_lm_head_fp8,kv_weights_lm_head_fp8}")
         acc_name=smollm2_bf16
       fi
       echo "=== fp8 accuracy: ${acc[*]}"
       timeout 400 "$PYTHON" -m pagedkv.bench.fp8_accuracy "${acc[@]}" \
         --output-json "$OUT/fp8_accuracy_${acc_name}.json" > "$OUT/fp8_accuracy_${acc_name}.log" 2>&1
       echo "    exit $?"
-      grep -v '^{' "$OUT/fp8_accuracy_${acc_name}.log" | grep -E "agreement|variant|---|^(control|kv_|weights_)" | tail -12
+      grep -v '^{' "$OUT/fp8_accuracy_${acc_name}.log" | grep -E "agreement|variant|---|^(control|kv_|weights_)" | tail -16
       ;;
     diagnose)
       # The two open kernel gaps, each in one script: the prefill kernel with new rows against

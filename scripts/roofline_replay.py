@@ -115,7 +115,7 @@ def report(run: dict, args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_model(args.model, load_format="dummy", dtype="bfloat16", device="cpu")
     model = load_model(cfg, load_format="dummy", device="meta")
     if run.get("quantization", "none") != "none":  # the weights at their stored size
-        quantize_model(model, run["quantization"])
+        quantize_model(model, run["quantization"], lm_head=run.get("quantize_lm_head", False))
     kv_dtype = torch.float8_e4m3fn if run.get("kv_cache_dtype") == "fp8" else None
     cost = ModelCost.of(model, cfg, cfg.kv_bytes_per_token(kv_dtype))
     fp8_rate = run.get("fp8_matmul_tflop_s")

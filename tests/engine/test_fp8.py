@@ -477,6 +477,83 @@ def test_fp8_weights_of_an_unsupported_model_are_a_clear_error(tiny_checkpoint):
     assert all(len(t) == NEW_TOKENS for t in run_all(engine, [[5, 6, 7], [9, 10]]))
 
 
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias", "opt-prenorm"])
+def test_quantize_lm_head(tiny_checkpoint, seed, name):
+    """``lm_head=True``: the output matrix in e4m3 with one scale per vocabulary row; the
+    logits are ``fp8_linear`` of the hidden rows (the quantized product, within fp8's error
+    of the float32 one). A tied head keeps its float32 matrix for the embedding (the tokens
+    embed as before) and holds the copy beside it; an untied one gives up its 16-bit matrix."""
+    from pagedkv.engine.models.quantization import fp8_linear, lm_head_quantized, logits_head
+
+    ckpt = tiny_checkpoint(name)
+    cfg = ModelConfig.from_model(ckpt.folder, device="cpu")
+    model = load_model(cfg, device="cpu", dtype=torch.float32)
+    head = logits_head(model)
+    matrix = head.weight.detach().clone()
+    hidden = torch.randn(5, matrix.shape[1], generator=torch.Generator().manual_seed(seed))
+    want = model.compute_logits(hidden)
+    assert not lm_head_quantized(model)
+    n = quantize_model(model, "fp8", lm_head=True)
+    assert n == 1 + sum(getattr(m, "quantizable", False) for m in model.modules())
+    assert lm_head_quantized(model) and logits_head(model) is head
+    q, scale = head.fp8_head
+    assert q.dtype == FP8 and q.shape == matrix.shape and scale.shape == (1, matrix.shape[0])
+    assert torch.allclose(scale[0], matrix.abs().amax(dim=1) / 448, rtol=1e-6)
+    tied = getattr(model, "lm_head", None) is None
+    assert head.weight.dtype == (torch.float32 if tied else FP8)
+    if tied:
+        assert torch.equal(head.weight, matrix)
+        ids = torch.tensor([1, 5, 9])
+        assert torch.equal(model.embed_tokens(ids), matrix[ids])
+    got = model.compute_logits(hidden)
+    assert torch.equal(got, fp8_linear(hidden, q, scale).float())
+    err = float((got - want).norm() / want.norm())
+    assert 0 < err < 0.06, f"relative error {err:.3f} (seed={seed})"
+
+
+def test_quantize_lm_head_needs_fp8_weights_and_a_head(tiny_checkpoint):
+    """``quantize_lm_head`` without ``quantization='fp8'`` is refused with a clear error; a
+    model whose logits have no such head (GPT-2) is refused and left as it was."""
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        EngineArgs(quantize_lm_head=True)
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["-q", "fp8", "--quantize-lm-head"]))
+    assert args.quantize_lm_head and args.quantization == "fp8"
+    assert not EngineArgs.from_cli_args(parser.parse_args(["-q", "fp8"])).quantize_lm_head
+    ckpt = tiny_checkpoint("gpt2")
+    model = load_model(ModelConfig.from_model(ckpt.folder, device="cpu"), device="cpu",
+                       dtype=torch.float32)  # fmt: skip
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="no linear layers"):
+        quantize_model(model, "fp8", lm_head=True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_engine_with_an_fp8_lm_head(tiny_checkpoint, single_thread):
+    """The engine option end to end on the CPU: the loaded model's head is quantized, greedy
+    outputs come out at full length, close to those of the fp8 linear layers alone (the top
+    logprobs), and a model loaded without the option is refused by an engine that asks for it
+    (and the other way round)."""
+    from pagedkv.engine.models.quantization import lm_head_quantized
+
+    cfg, _ = _tiny_llama(tiny_checkpoint)
+    kw = dict(model=str(cfg.path), device="cpu", kv_cache_gb=0.01, skip_tokenizer_init=True,
+              quantization="fp8")  # fmt: skip
+    head = LLMEngine(EngineArgs(**kw, quantize_lm_head=True))
+    assert lm_head_quantized(head.runner.model)
+    plain = LLMEngine(EngineArgs(**kw))
+    prompt = list(range(3, 40))
+    top_head, top_plain = (_top_logprobs(e, prompt, "r")[0] for e in (head, plain))
+    shared = set(top_head) & set(top_plain)
+    assert len(shared) >= 10 and max(abs(top_head[t] - top_plain[t]) for t in shared) < 0.5
+    assert all(len(t) == NEW_TOKENS for t in run_all(head, [[5, 6, 7], [9, 10]]))
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        LLMEngine(EngineArgs(**kw, quantize_lm_head=True), model=plain.runner.model)
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        LLMEngine(EngineArgs(**kw), model=head.runner.model)
+
+
 def test_runner_refuses_a_model_of_the_other_kind(tiny_checkpoint):
     cfg, model = _tiny_llama(tiny_checkpoint)
     with pytest.raises(ValueError, match="quantization"):
@@ -649,6 +726,28 @@ def test_gpu_fp8_cache_and_weights_with_graphs(gpu_model_path):
     # embedded model, 64 prompts on an H200: 0.91; bench.fp8_accuracy's teacher_forced_top1.)
     top1 = teacher_forced_top1(fp8, PROMPTS, want)
     assert top1 >= 0.75, f"teacher-forced top-1 {top1:.2f}"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_lm_head_with_graphs(gpu_model_path):
+    """``--quantize-lm-head`` on the GPU: the logits of the decode graphs through the e4m3
+    head (``fp8_matmul`` for a few rows); greedy outputs at full length and close to those of
+    the fp8 linear layers alone (teacher-forced top-1, as above)."""
+    from pagedkv.engine.models.quantization import lm_head_quantized, logits_head
+
+    plain = _gpu_engine(gpu_model_path, kv_cache_dtype="fp8", quantization="fp8")
+    want = run_all(plain, PROMPTS)
+    del plain
+    torch.cuda.empty_cache()
+    head = _gpu_engine(gpu_model_path, kv_cache_dtype="fp8", quantization="fp8",
+                       quantize_lm_head=True)  # fmt: skip
+    got = run_all(head, PROMPTS)
+    model = head.runner.model
+    assert lm_head_quantized(model) and logits_head(model).fp8_head[0].is_cuda
+    assert head.runner.graph_replays > 0
+    assert all(len(t) == NEW_TOKENS for t in got)
+    top1 = teacher_forced_top1(head, PROMPTS, want)
+    assert top1 >= 0.6, f"teacher-forced top-1 {top1:.2f}"
 
 
 @pytest.mark.gpu

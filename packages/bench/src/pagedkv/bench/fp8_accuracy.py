@@ -1,6 +1,7 @@
 """How much fp8 changes what a model says: greedy token agreement of an fp8 KV cache
-(``--kv-cache-dtype fp8``) and of fp8 weights (``--quantization fp8``) with the default cache
-and weights (the model dtype), on the same prompts in the same batches.
+(``--kv-cache-dtype fp8``) and of fp8 weights (``--quantization fp8``, and with
+``--quantize-lm-head`` the LM head's too) with the default cache and weights (the model
+dtype), on the same prompts in the same batches.
 
     python -m pagedkv.bench.fp8_accuracy                      # embedded model, 64 x 64 tokens
     python -m pagedkv.bench.fp8_accuracy --dtype bfloat16 --device cuda
@@ -61,6 +62,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kv_fp8": {"kv_cache_dtype": "fp8"},
     "weights_fp8": {"quantization": "fp8"},
     "kv_and_weights_fp8": {"kv_cache_dtype": "fp8", "quantization": "fp8"},
+    # --quantize-lm-head: the LM head's matrix in fp8 as well (off by default, as in vLLM)
+    "weights_lm_head_fp8": {"quantization": "fp8", "quantize_lm_head": True},
+    "kv_weights_lm_head_fp8": {"kv_cache_dtype": "fp8", "quantization": "fp8",
+                               "quantize_lm_head": True},
     # Context for the figures: the whole model (weights, activations, cache) in bfloat16
     # against a float32 reference (the CPU's); on a bf16 reference it is the control.
     "model_bf16": {"dtype": "bfloat16"},
@@ -237,14 +242,15 @@ def run_accuracy(args: argparse.Namespace) -> int:
     device = ref_engine.device
     # Engines with the same weights share one loaded model; one KV cache lives at a time (on a
     # GPU each engine sizes its cache from the memory left free).
-    models: dict[tuple[str | None, str | None], Any] = {(None, None): ref_engine.runner.model}
+    models: dict[tuple[str | None, str | None, bool], Any] = {
+        (None, None, False): ref_engine.runner.model}
     ref_engine.shutdown()
     del ref_engine
     _free_memory()
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         opts = VARIANTS[name]
-        key = (opts.get("quantization"), opts.get("dtype"))
+        key = (opts.get("quantization"), opts.get("dtype"), opts.get("quantize_lm_head", False))
         # Token ids in, token ids out: no tokenizer to load again (seconds for a GGUF's).
         engine = LLMEngine(base.replace(skip_tokenizer_init=True, **opts),
                            model=models.get(key))  # fmt: skip

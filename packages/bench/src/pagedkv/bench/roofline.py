@@ -119,7 +119,9 @@ class ModelCost:
         tied = lm_head == 0
         lm_head = lm_head or model_config.hidden_size * model_config.vocab_size // tensor_parallel_size
         if tied:  # a tied LM head reads the embedding table once per pass as its output matrix
-            weight_bytes += lm_head * embed_itemsize
+            # ... or its e4m3 copy (--quantize-lm-head), one byte an element
+            fp8_copy = getattr(getattr(model, "embed_tokens", None), "fp8_head", None)
+            weight_bytes += lm_head * (1 if fp8_copy is not None else embed_itemsize)
         c = model_config
         return cls(
             weight_bytes=weight_bytes,

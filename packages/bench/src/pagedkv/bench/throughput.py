@@ -472,6 +472,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
                     "num_gpu_blocks": _num_gpu_blocks(engine),
                     "kv_cache_dtype": engine.args.kv_cache_dtype,
                     "quantization": engine.args.quantization or "none",
+                    "quantize_lm_head": engine.args.quantize_lm_head,
                     "max_num_seqs": engine.args.max_num_seqs,
                     "triton_compiles_during_run": len(compiled),
                     "triton_compiled_during_run": list(compiled),

@@ -61,6 +61,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    # With quantization "fp8": the LM head's output matrix in e4m3 too (off, as in vLLM).
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,6 +109,8 @@ class EngineArgs:
             self.quantization = None
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be 'fp8' or 'none' (got {self.quantization!r})")
+        if self.quantize_lm_head and self.quantization != "fp8":
+            raise bad("quantize_lm_head", "needs quantization 'fp8' (the linear layers first)")
         for name in ("num_gpu_blocks_override", "num_cpu_blocks_override"):
             value = getattr(self, name)
             if value is not None and value < (1 if name == "num_gpu_blocks_override" else 0):
@@ -161,6 +165,10 @@ class EngineArgs:
                        help="fp8: linear-layer weights in e4m3 with per-channel scales, "
                             "activations quantized per token (torch._scaled_mm on GPUs of "
                             "compute capability 8.9+, a dequantizing matmul elsewhere)")
+        g.add_argument("--quantize-lm-head", action="store_true",
+                       help="with --quantization fp8: the LM head in e4m3 too, one scale per "
+                            "vocabulary row (off by default, as in vLLM: the logits pick the "
+                            "tokens; see python -m pagedkv.bench.fp8_accuracy)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of KV blocks (tests and experiments)")
         g.add_argument("--num-cpu-blocks-override", type=int, default=None,

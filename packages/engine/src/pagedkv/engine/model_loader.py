@@ -65,12 +65,14 @@ def load_model(
     seed: int = 0,
     tp: TPInfo | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> nn.Module:
     """The model in eval mode with its weights, on ``device`` (default: CUDA if available) in
     ``dtype`` (default: ``config.dtype``). ``device="meta"`` returns the shapes only (nothing is
     read or allocated). ``seed`` seeds dummy weights. ``tp``: build and load one tensor-parallel
     rank's shard only. ``quantization="fp8"``: the linear layers' weights quantized to e4m3 per
-    output channel once loaded (``pagedkv.engine.models.quantization``)."""
+    output channel once loaded (``pagedkv.engine.models.quantization``); ``quantize_lm_head``:
+    the LM head too (``quantization.quantize_lm_head``)."""
     fmt = resolve_load_format(config, load_format)
     dtype = config.dtype if dtype is None else parse_dtype(dtype)
     device = default_device() if device is None else torch.device(device)
@@ -98,7 +100,7 @@ def load_model(
     if quantization is not None:  # on "meta": the quantized shapes and dtypes
         from pagedkv.engine.models.quantization import quantize_model
 
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, lm_head=quantize_lm_head)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the 16-bit weights just freed
     model.eval().requires_grad_(False)
@@ -112,7 +114,8 @@ def load_model(
         config.architecture,
         fmt,
         dtype,
-        f", {quantization} linear layers" if quantization else "",
+        f", {quantization} linear layers{' and LM head' if quantize_lm_head else ''}"
+        if quantization else "",
         device,
         f", tensor-parallel rank {tp.rank} of {tp.size}" if sharded else "",
         time.perf_counter() - start,

@@ -163,6 +163,7 @@ def build_rank_runner(
         seed=args.seed,
         tp=ctx.tp,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
     )
     runner = RankRunner(
         ctx, rank_model_config(model_config, ctx.world_size), args, ctx.device, model=model

@@ -79,6 +79,7 @@ def pack_model(model: nn.Module) -> int:
             continue  # an embedding that only embeds: no product to speed up
         weight = module.weight
         fp8 = getattr(module, "weight_scale", None) is not None
+        fp8 = fp8 or getattr(module, "fp8_head", None) is not None  # logits from an fp8 copy
         if fp8 or weight.device.type != "cpu" or weight.dtype not in _DTYPES:
             continue
         module.packed_weight = pack(weight)

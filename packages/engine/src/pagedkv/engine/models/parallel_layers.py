@@ -198,6 +198,9 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
         self.tp_rank, self.tp_size = rank, size
         self.packed_weight: torch.Tensor | None = None  # as the LM head, on the CPU: cpu_matmul
+        # As the LM head with --quantize-lm-head: the output matrix in e4m3 and its per-row
+        # scales [1, rows], which the logits multiply by (quantization.quantize_lm_head)
+        self.fp8_head: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -245,16 +248,23 @@ def vocab_parallel_logits(
     ``float32=False`` in the product's own dtype (what an argmax needs: see
     ``Model.compute_logits``)."""
     if head.tp_size == 1:
-        if head.packed_weight is not None and hidden.is_cpu:
-            logits = packed_linear(hidden, head.packed_weight)
-        else:
-            logits = F.linear(hidden, head.weight)
+        logits = _head_product(hidden, head)
     else:
-        logits = gather_last_dim(F.linear(hidden, head.weight), head.tp)
+        logits = gather_last_dim(_head_product(hidden, head), head.tp)
         if logits is None:
             return None
         logits = logits[:, : head.full_num_embeddings]
     return logits.float() if float32 else logits
+
+
+def _head_product(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
+    """``hidden @ W.T`` for this rank's rows of the output matrix: in fp8 where the head was
+    quantized, else packed for the CPU or as ``F.linear``."""
+    if head.fp8_head is not None:
+        return fp8_linear(hidden, *head.fp8_head)
+    if head.packed_weight is not None and hidden.is_cpu:
+        return packed_linear(hidden, head.packed_weight)
+    return F.linear(hidden, head.weight)
 
 
 def load_parameter(

@@ -36,7 +36,7 @@ from pagedattn_kernels import argmax_rows, copy_blocks, swap_blocks
 from pagedkv.engine.arg_utils import EngineArgs
 from pagedkv.engine.config import ModelConfig, kv_cache_dtype
 from pagedkv.engine.model_loader import load_model
-from pagedkv.engine.models.quantization import is_quantized, quantization_of
+from pagedkv.engine.models.quantization import is_quantized, lm_head_quantized, quantization_of
 from pagedkv.engine.outputs import PositionLogprobs, RunnerOutput
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagedkv.engine.worker.decode_plans import DecodePlanner
@@ -212,9 +212,15 @@ class ModelRunner:
                 f"the model given was loaded with quantization={quantization_of(model)!r} but "
                 f"the engine asks for {args.quantization!r}; load it with the engine's option"
             )
+        if model is not None and lm_head_quantized(model) != args.quantize_lm_head:
+            raise ValueError(
+                f"the model given was loaded with quantize_lm_head={lm_head_quantized(model)} "
+                f"but the engine asks for {args.quantize_lm_head}; load it with the engine's option"
+            )
         self.model = model if model is not None else load_model(
             model_config, load_format=args.load_format, device=device, dtype=self.dtype,
             seed=args.seed, quantization=args.quantization,
+            quantize_lm_head=args.quantize_lm_head,
         )
         self.sampler = BatchSampler(device, sorted(model_config.eos_token_ids), args.seed,
                                     model_config.vocab_size)
