@@ -483,7 +483,7 @@ def test_quantize_lm_head(tiny_checkpoint, seed, name):
     logits are ``fp8_linear`` of the hidden rows (the quantized product, within fp8's error
     of the float32 one). A tied head keeps its float32 matrix for the embedding (the tokens
     embed as before) and holds the copy beside it; an untied one gives up its 16-bit matrix."""
-    from pagedkv.engine.models.quantization import fp8_linear, lm_head_quantized, logits_head
+    from pagedkv.engine.models.quantization import lm_head_quantized, logits_head
 
     ckpt = tiny_checkpoint(name)
     cfg = ModelConfig.from_model(ckpt.folder, device="cpu")
@@ -612,6 +612,28 @@ def test_tp_ranks_quantize_their_own_weight_shards(checkpoints):
             assert float((y - want).norm() / want.norm()) < 0.05, name
             checked.add("row")
     assert checked == {"column", "row"}
+
+
+def test_tp_ranks_quantize_their_own_lm_head_rows(checkpoints):
+    """``quantize_lm_head`` under tensor parallelism: each rank's vocabulary rows are whole
+    rows of the output matrix, so each rank's e4m3 rows and scales are the slice of one
+    device's (per-row scales know no other row), and its logits the slice of one device's."""
+    from pagedkv.engine.distributed.communication import TPInfo
+    from pagedkv.engine.models.quantization import logits_head
+
+    cfg = ModelConfig.from_model(str(checkpoints["llama-gqa-bias"]), device="cpu")
+    kw = dict(device="cpu", dtype=torch.float32, quantization="fp8", quantize_lm_head=True)
+    whole = logits_head(load_model(cfg, **kw))
+    ranks = [logits_head(load_model(cfg, tp=TPInfo(r, 2), **kw)) for r in range(2)]
+    hidden = torch.randn(3, whole.embedding_dim, generator=torch.Generator().manual_seed(0))
+    want = fp8_linear(hidden, *whole.fp8_head)
+    for head in ranks:
+        rows = slice(head.vocab_start, head.vocab_end)
+        n = head.vocab_end - head.vocab_start
+        q, scale = head.fp8_head
+        assert torch.equal(q[:n].view(torch.uint8), whole.fp8_head[0][rows].view(torch.uint8))
+        assert torch.equal(scale[0, :n], whole.fp8_head[1][0, rows])
+        assert torch.equal(fp8_linear(hidden, q, scale)[:, :n], want[:, rows])
 
 
 def test_engine_core_process_runs_fp8(checkpoints):
