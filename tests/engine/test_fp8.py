@@ -365,31 +365,6 @@ def test_fp8_linear_takes_fp8_matmul_for_few_rows(seed, dtype, monkeypatch):
     assert calls == [1, 1, 7, 7], calls
 
 
-def test_fp8_linear_of_deferred_silu_rows_is_the_quantized_product(seed):
-    """``SiluRows``: the down projection makes SwiGLU's activation, quantizes and multiplies it
-    in one op (``silu_and_mul_fp8_matmul``): the values of ``Fp8Rows`` from
-    ``silu_and_mul_fp8``, bit for bit, through leading dims and with a bias. On the CPU the
-    activation layer never defers (``takes_silu_matmul``: GPUs with fp8 tensor cores only)."""
-    import pagedattn_kernels
-
-    from pagedkv.engine.models.quantization import (
-        Fp8Rows,
-        SiluRows,
-        quantize_weight,
-        takes_silu_matmul,
-    )
-
-    gen = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(2, 3, 2 * 48, generator=gen).to(torch.bfloat16)
-    wq, ws = quantize_weight(torch.randn(40, 48, generator=gen).to(torch.bfloat16))
-    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
-    got = fp8_linear(SiluRows(gate_up), wq, ws, bias)
-    want = fp8_linear(Fp8Rows(*pagedattn_kernels.silu_and_mul_fp8(gate_up), torch.bfloat16),
-                      wq, ws, bias)  # fmt: skip
-    assert got.shape == (2, 3, 40) and torch.equal(got, want)
-    assert not takes_silu_matmul(gate_up)
-
-
 @pytest.mark.parametrize("value", ["-1", "lots", "1.5", ""])
 def test_a_bad_row_limit_is_a_clear_error(value, monkeypatch):
     """``PAGEDKV_FP8_MATMUL_MAX_ROWS`` that is not a whole number >= 0 stops the import with the
@@ -773,36 +748,6 @@ def test_gpu_fp8_cache_and_weights_with_graphs(gpu_model_path):
     # embedded model, 64 prompts on an H200: 0.91; bench.fp8_accuracy's teacher_forced_top1.)
     top1 = teacher_forced_top1(fp8, PROMPTS, want)
     assert top1 >= 0.75, f"teacher-forced top-1 {top1:.2f}"
-
-
-@pytest.mark.gpu
-def test_gpu_silu_matmul_gives_the_same_tokens(gpu_model_path, monkeypatch):
-    """Decode batches of up to ``FP8_SILU_MATMUL_MAX_ROWS`` rows quantize SwiGLU's activation
-    inside the down projection's matmul (captured in the decode graphs): the same values as
-    its own kernel, so the same greedy tokens as with the limit at 0."""
-    import pagedattn_kernels
-
-    from pagedkv.engine.models import quantization
-
-    calls = []
-    fused = pagedattn_kernels.silu_and_mul_fp8_matmul
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(pagedattn_kernels, "silu_and_mul_fp8_matmul", counted)
-    engine = _gpu_engine(gpu_model_path, kv_cache_dtype="fp8", quantization="fp8")
-    got = run_all(engine, PROMPTS)
-    assert calls and max(calls) <= quantization.FP8_SILU_MATMUL_MAX_ROWS
-    assert engine.runner.graph_replays > 0
-    del engine
-    torch.cuda.empty_cache()
-    monkeypatch.setattr(quantization, "FP8_SILU_MATMUL_MAX_ROWS", 0)
-    calls.clear()
-    want = run_all(_gpu_engine(gpu_model_path, kv_cache_dtype="fp8", quantization="fp8"), PROMPTS)
-    assert not calls
-    assert got == want
 
 
 @pytest.mark.gpu

@@ -35,7 +35,6 @@ ENGINE_NAMES = {
     "rms_norm_fp8",
     "fused_add_rms_norm_fp8",
     "silu_and_mul_fp8",
-    "silu_and_mul_fp8_matmul",
     "fp8_matmul",
     "matmul_16bit",
     "rotary_embedding",

@@ -352,15 +352,6 @@ def _fp8_variants() -> None:
                 quant.matmul_16bit(torch.empty(m, k, dtype=torch.bfloat16),
                                    torch.empty(n, k, dtype=torch.bfloat16),
                                    torch.empty(m, n, dtype=torch.bfloat16), cfg)  # fmt: skip
-        # the down projection quantizing SiLU's products as it loads them (QUANT_X), with the
-        # engine's tiles at decode batch sizes (silu_and_mul_fp8_matmul)
-        for m in (1, 16, 64, 128):
-            cfg = quant.pick_config_quant_x(m, 4096, 14336, 132, 2, fast_accum=True)
-            quant.fp8_matmul_from_maxima(torch.empty(m, 14336, dtype=dtype),
-                                         torch.empty(m, 14, dtype=torch.float32),
-                                         torch.empty(4096, 14336, dtype=kc.dtype),
-                                         torch.ones(4096), torch.empty(m, 4096, dtype=dtype),
-                                         torch.empty(m), cfg)  # fmt: skip
         x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
         fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
         fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)

@@ -46,7 +46,6 @@ from pagedattn_kernels.fused.ops import (
     rotary_embedding_and_cache,
     silu_and_mul,
     silu_and_mul_fp8,
-    silu_and_mul_fp8_matmul,
 )
 from pagedattn_kernels.quant.ops import fp8_matmul, matmul_16bit, quantize_fp8_per_token
 from pagedattn_kernels.sampling.ops import argmax_rows
@@ -75,7 +74,6 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "rotary_embedding_and_cache",
     "silu_and_mul",
     "silu_and_mul_fp8",
-    "silu_and_mul_fp8_matmul",
     # quant/
     "fp8_matmul",
     "matmul_16bit",

@@ -49,12 +49,6 @@ from pagedattn_kernels.fused.checks import (
     same_memory,
 )
 from pagedattn_kernels.fused.triton_launch import MAX_HIDDEN, read_rows
-from pagedattn_kernels.quant import triton_launch as quant_launch
-from pagedattn_kernels.quant.checks import check_fp8_weight
-
-#: The most rows ``silu_and_mul_fp8_matmul``'s Triton path takes (``fp8_matmul``'s swapped
-#: tiles hold up to 128 tokens; past that the engine multiplies with cuBLAS).
-MAX_FUSED_MATMUL_ROWS = 128
 
 __all__ = [
     "MAX_HIDDEN",
@@ -66,7 +60,6 @@ __all__ = [
     "rotary_embedding_and_cache",
     "silu_and_mul",
     "silu_and_mul_fp8",
-    "silu_and_mul_fp8_matmul",
 ]
 
 
@@ -253,58 +246,6 @@ def silu_and_mul_fp8(
     triton_launch.silu_and_mul(x, read_rows(x, 2 * inter), inter,
                                fp8_out=(q.view(-1, inter), scale.view(-1, 1)))  # fmt: skip
     return q, scale
-
-
-def silu_and_mul_fp8_matmul(
-    x: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    *,
-    out_dtype: torch.dtype | None = None,
-    out: torch.Tensor | None = None,
-    config: object | None = None,
-    fast_accum: bool = False,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """``fp8_matmul(*silu_and_mul_fp8(x), wq, w_scale)``: SwiGLU's activation of ``x [rows, 2 *
-    I]`` (gate, up), quantized per token to e4m3 and multiplied by an e4m3 weight ``wq [N, I]``
-    with per-channel scales ``w_scale`` (an fp8 down projection), in ``out_dtype`` (default
-    x's dtype): ``[rows, N]``. The same e4m3 rows, scales and sums as the two ops in turn on
-    the same backend (and the same tiles, ``config``, ``fast_accum``), bit for bit.
-
-    Why one op: the Triton path quantizes while it multiplies. SiLU's kernel writes the
-    products in x's dtype with each tile's largest magnitude per row, and the matmul derives
-    each row's scale from those maxima and quantizes each tile of products as it loads it
-    (``fp8_matmul_kernel``'s QUANT_X): the quantization's own kernel, a launch and a round trip
-    of the products through memory, is gone. On an H200 a Llama-3-8B fp8 decode step without
-    that kernel ran 0.08-0.14 ms faster at 8-160 sequences (``scripts/ablate_small_kernels.py``).
-    For decode batches: the Triton path takes up to 128 rows (``fp8_matmul``'s swapped tiles;
-    more rows want cuBLAS, on rows quantized by :func:`silu_and_mul_fp8`)."""
-    op = "silu_and_mul_fp8_matmul"
-    inter = check_silu_and_mul(op, x, None)
-    if x.dim() != 2:
-        raise fail(op, f"x must be [rows, 2 * intermediate], got shape {tuple(x.shape)}")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise fail(op, f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    rows = x.shape[0]
-    n = check_fp8_weight(op, wq, w_scale, inter, x.device)
-    check_out(op, "out", out, (rows, n), torch.empty((), dtype=out_dtype, device=x.device))
-    if out is None:
-        out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
-    if resolve_backend(x.device, backend) == "torch":
-        return torch_impl.silu_and_mul_fp8_matmul(x, wq, w_scale, out)
-    check_fp8_triton(op, x.device)
-    if rows > MAX_FUSED_MATMUL_ROWS:
-        raise fail(op, f"the Triton path takes up to {MAX_FUSED_MATMUL_ROWS} rows (decode "
-                       f"batches), got {rows}: use silu_and_mul_fp8 and fp8_matmul")  # fmt: skip
-    if rows == 0:
-        return out
-    wq = wq if wq.shape[1] <= 1 or wq.stride(1) == 1 else wq.contiguous()
-    y, maxima, _ = triton_launch.silu_and_mul_maxima(read_rows(x, 2 * inter), inter)
-    x_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    return quant_launch.fp8_matmul_from_maxima(y, maxima, wq, w_scale.contiguous(), out,
-                                               x_scale, config, fast_accum)  # fmt: skip
 
 
 def rotary_embedding(

@@ -17,7 +17,6 @@ __all__ = [
     "rotary_embedding_and_cache",
     "silu_and_mul",
     "silu_and_mul_fp8",
-    "silu_and_mul_fp8_matmul",
 ]
 
 
@@ -72,15 +71,6 @@ def fused_add_rms_norm_fp8(
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: :func:`silu_and_mul` in x's dtype, quantized per token to e4m3."""
     return _fp8_rows(silu_and_mul(x), x.dtype)
-
-
-def silu_and_mul_fp8_matmul(x: torch.Tensor, wq: torch.Tensor,
-                            w_scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """float64 ``fp8_matmul`` of :func:`silu_and_mul_fp8`'s rows: ``[rows, out]``."""
-    from pagedattn_kernels.quant.reference import fp8_matmul
-
-    q, scale = silu_and_mul_fp8(x)
-    return fp8_matmul(q.reshape(-1, q.shape[-1]), scale.reshape(-1), wq, w_scale)
 
 
 def rotary_embedding(

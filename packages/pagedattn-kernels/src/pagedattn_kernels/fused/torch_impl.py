@@ -53,12 +53,6 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8_rows(silu_and_mul(x, None))
 
 
-def silu_and_mul_fp8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                            out: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    q, scale = silu_and_mul_fp8(x)
-    return quant.fp8_matmul(q.reshape(-1, q.shape[-1]), scale.reshape(-1), wq, w_scale, out)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -146,7 +146,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         if tiled is None:
             tiled = not interpreted
         if tiled:
-            _silu_and_mul_fp8_tiled(x, inter, *fp8_out)
+            _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out)
             return
     out2 = row_view(out, inter) if fp8_out is None else x
     num_warps = 4
@@ -173,22 +173,12 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     )  # fmt: skip
 
 
-def _silu_and_mul_fp8_tiled(x: torch.Tensor, inter: int, q: torch.Tensor,
+def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torch.Tensor,
                             scale: torch.Tensor) -> None:  # fmt: skip
     """SiLU-and-multiply to fp8 rows in two tiled kernels: the products in the model dtype with
     each tile's largest magnitude per row (AMAX), then ``quantize_fp8_from_maxima``. The
     products make one extra round trip (mostly through L2) against a program per row, which
     keeps a whole row in registers but runs few, long programs."""
-    y, partial, block = silu_and_mul_maxima(x, inter)
-    quant_launch.quantize_fp8_from_maxima(y, partial, q, scale, block)
-
-
-def silu_and_mul_maxima(x: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The first of the tiled pair: ``silu_and_mul_kernel`` with AMAX, the products ``y [rows,
-    inter]`` in x's dtype and ``partial [rows, chunks]``, each ``block``-wide tile's largest
-    magnitude per row: what ``quantize_fp8_from_maxima`` quantizes, or an fp8 matmul that
-    quantizes its rows as it loads them (``quant_launch.fp8_matmul_from_maxima``)."""
-    kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
     num_rows = x.shape[0]
     interpreted = is_interpreted(kernel)
     rows, block = quant_launch.tile_shape(num_rows, inter, interpreted)
@@ -202,7 +192,7 @@ def silu_and_mul_maxima(x: torch.Tensor, inter: int) -> tuple[torch.Tensor, torc
         LIBDEVICE=not interpreted, QUANT=0, AMAX=True, PDL=pdl, launch_pdl=pdl, num_warps=4,
         enable_fp_fusion=False,
     )  # fmt: skip
-    return y, partial, block
+    quant_launch.quantize_fp8_from_maxima(y, partial, q, scale, block)
 
 
 def _rotary_tiles(kernel: object, num_tokens: int, block_qh: int, block_kh: int,

@@ -65,26 +65,6 @@ def check_fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                        f"with contiguous rows")  # fmt: skip
 
 
-def check_fp8_weight(op: str, wq: torch.Tensor, w_scale: torch.Tensor, k: int,
-                     device: torch.device) -> int:  # fmt: skip
-    """An e4m3 weight ``wq [N, k]`` with one float32 scale per output channel on ``device``;
-    returns N."""
-    check_float(op, "wq", wq, 2, (FP8_DTYPE,))
-    if wq.shape[1] != k:
-        raise fail(op, f"wq must be [out, {k}] (its input dimension is the rows'), got "
-                       f"{tuple(wq.shape)}")  # fmt: skip
-    n = wq.shape[0]
-    check_float(op, "w_scale", w_scale, w_scale.dim() if isinstance(w_scale, torch.Tensor) else 1,
-                (torch.float32,))  # fmt: skip
-    if w_scale.numel() != n or w_scale.dim() > 2 or (w_scale.dim() == 2 and 1 not in w_scale.shape):
-        raise fail(op, f"w_scale must hold one float32 scale per row of wq ({n}), got shape "
-                       f"{tuple(w_scale.shape)}")  # fmt: skip
-    for name, t in (("wq", wq), ("w_scale", w_scale)):
-        if t.device != device:
-            raise fail(op, f"{name} is on {t.device}, the rows on {device}")
-    return n
-
-
 def check_matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
     op = "matmul_16bit"
     check_float(op, "x", x, 2, (torch.bfloat16, torch.float16))

@@ -198,15 +198,12 @@ def quantize_fp8_tiles_kernel(
 
 @triton.jit
 def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask,
-                  SCALED: tl.constexpr, xs=None):  # fmt: skip
+                  SCALED: tl.constexpr):  # fmt: skip
     """``y[rm, rn] = acc.T * x_scale[rm] * w_scale[rn]`` in y's dtype (acc is [rn, rm]);
-    without SCALED, ``acc.T``. ``xs``: the rows' scales already in registers (QUANT_X)."""
+    without SCALED, ``acc.T``."""
     if SCALED:
         acc = acc * tl.load(w_scale_ptr + rn % N)[:, None]
-        if xs is None:
-            acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
-        else:
-            acc = acc * xs[None, :]
+        acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
     y = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -231,9 +228,6 @@ def fp8_matmul_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    xmax_ptr,
-    stride_xmax,
-    min_scale,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -244,10 +238,6 @@ def fp8_matmul_kernel(
     PROMOTE: tl.constexpr,
     PDL: tl.constexpr = False,
     SCALED: tl.constexpr = True,
-    QUANT_X: tl.constexpr = False,
-    CHUNKS: tl.constexpr = 1,
-    CHUNKS_P2: tl.constexpr = 1,
-    E4M3: tl.constexpr = 2,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
@@ -285,15 +275,7 @@ def fp8_matmul_kernel(
     accumulates in its own narrower format throughout (cuBLAS's "fast accumulation").
     SCALED False: the same kernel on 16-bit operands (``matmul_16bit`` in the launcher:
     ``y = x @ W.T``, no scales, no PROMOTE), for timing the swapped tiles against cuBLAS's
-    bf16 matmuls at decode batch sizes.
-
-    QUANT_X: ``xq_ptr`` holds 16-bit rows, quantized here as each tile is loaded, exactly as
-    ``quantize_fp8_tiles_kernel`` quantizes them: each row's scale from ``xmax_ptr [M,
-    CHUNKS]`` (float32 maxima of parts of the row), ``e4m3(clamp(x / scale))``. The programs
-    of the first weight tile and split also store the scales at ``x_scale_ptr`` (for
-    ``fp8_matmul_reduce_kernel`` and the caller); every program keeps its own in registers.
-    That spares the quantization its own kernel, whose launch and round trip through memory
-    cost a decode step more than these few rows' conversions (``scripts/ablate_small_kernels.py``)."""
+    bf16 matmuls at decode batch sizes."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -308,16 +290,6 @@ def fp8_matmul_kernel(
     row_ok = (rm < M)[None, :]
     k_lo = pid_k * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, K)
-    xs = None
-    if QUANT_X:
-        c = tl.arange(0, CHUNKS_P2)
-        part = tl.load(xmax_ptr + rm.to(tl.int64)[:, None] * stride_xmax + c[None, :],
-                       mask=(rm < M)[:, None] & (c < CHUNKS)[None, :], other=0.0)  # fmt: skip
-        amax = tl.reduce(part, 1, tl.standard._elementwise_max)
-        xs = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
-        recip = tl.math.div_rn(1.0, xs)
-        if pid_n == 0 and pid_k == 0:
-            tl.store(x_scale_ptr + rm, xs, mask=rm < M)
     acc = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
@@ -326,9 +298,6 @@ def fp8_matmul_kernel(
         else:
             w = tl.load(w_ptrs + k, mask=(k + rk < K)[None, :], other=0.0)
             x = tl.load(x_ptrs + k, mask=(k + rk < K)[:, None] & row_ok, other=0.0)
-        if QUANT_X:
-            q = _quotient(x.to(tl.float32), xs[None, :], recip[None, :])
-            x = _e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0), E4M3)
         if UPCAST:
             acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
         elif PROMOTE:
@@ -341,7 +310,7 @@ def fp8_matmul_kernel(
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     if not SPLIT:
         _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask,
-                      SCALED, xs)  # fmt: skip
+                      SCALED)  # fmt: skip
     else:
         part = part_ptr + rm[None, :] * N + rn[:, None]
         tl.store(part + pid_k * M * N, acc, mask=mask)
@@ -353,7 +322,7 @@ def fp8_matmul_kernel(
                 for s in range(splits):  # from L2 (".cg"): other SMs wrote them
                     total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_scaled(total, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
-                              mask, SCALED, xs)  # fmt: skip
+                              mask, SCALED)  # fmt: skip
                 tl.atomic_xchg(counter, 0)
 
 

@@ -230,46 +230,11 @@ def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     return _swapped_matmul(x, None, w, out, config)
 
 
-def fp8_matmul_from_maxima(x: torch.Tensor, maxima: torch.Tensor, wq: torch.Tensor,
-                           w_scale: torch.Tensor, out: torch.Tensor, x_scale: torch.Tensor,
-                           config: Fp8MatmulConfig | None = None,
-                           fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
-    """``fp8_matmul`` of 16-bit rows ``x [M, K]`` quantized as the kernel loads them (its
-    QUANT_X): each row's scale from ``maxima [M, chunks]``, float32 maxima of parts of the row
-    (``quantize_fp8_from_maxima``'s input), written to ``x_scale [M]``. The tiles are those of
-    the same matmul on e4m3 rows (``pick_config``), so the sums run in the same order."""
-    m, k = x.shape
-    if config is None and not is_interpreted(kernels_for(x.device, KERNELS).fp8_matmul_kernel):
-        config = pick_config_quant_x(m, wq.shape[0], k, sm_count(x.device), x.element_size(),
-                                     fast_accum)  # fmt: skip
-    return _swapped_matmul(x, (x_scale, w_scale), wq, out, config, fast_accum, maxima)
-
-
-def pick_config_quant_x(m: int, n: int, k: int, sms: int, itemsize: int,
-                        fast_accum: bool = False) -> Fp8MatmulConfig:  # fmt: skip
-    """``pick_config``'s tiles for rows quantized on load (QUANT_X), with fewer pipeline
-    stages where the pick's would not fit the shared memory: a 16-bit token tile takes
-    ``itemsize`` times the bytes of an e4m3 one (sm_90 offline compile: 256 KB for 32 rows at
-    the pick's 8 stages). Stages do not change the sums, so the result is still the e4m3
-    rows' ``fp8_matmul`` bit for bit."""
-    cfg = pick_config(m, n, k, sms, fast_accum)
-    tokens = max(16, next_power_of_2(min(m, MAX_BLOCK_M)))
-    per_stage = cfg.block_k * (cfg.block_n + tokens * itemsize)
-    return dataclasses.replace(cfg, num_stages=max(2, min(cfg.num_stages, SMEM_BUDGET // per_stage)))
-
-
-#: Shared memory the pipeline stages of one ``fp8_matmul_kernel`` program may take (sm_90
-#: allows 227 KB a block; the rest is left for the compiler's own buffers).
-SMEM_BUDGET = 200 * 1024
-
-
 def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
                     wq: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None,
-                    fast_accum: bool = False,
-                    maxima: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
     """One launch of ``fp8_matmul_kernel`` (and of its reduce kernel when a split matmul
-    cannot merge in place): scaled by ``scales`` = (x_scale, w_scale), or unscaled (None);
-    with ``maxima``, ``xq`` is 16-bit and quantized on load (QUANT_X)."""
+    cannot merge in place): scaled by ``scales`` = (x_scale, w_scale), or unscaled (None)."""
     m, k = xq.shape
     n = wq.shape[0]
     if m == 0 or n == 0:
@@ -299,18 +264,13 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
     if split > 1 and cfg.merge_here:
         counters = _merge_counters(xq.device, grid_mn[0] * grid_mn[1])
     pdl = use_pdl(xq.device)
-    chunks = maxima.shape[1] if maxima is not None else 1
     kernels.fp8_matmul_kernel[(*grid_mn, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
         m, n, k, k_chunk, split, xq.stride(0), wq.stride(0), out.stride(0),
-        maxima if maxima is not None else out, maxima.stride(0) if maxima is not None else 0,
-        MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
-        SPLIT=split > 1, MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0,
-        UPCAST=interpreted, PROMOTE=cfg.promote and scales is not None, PDL=pdl,
-        launch_pdl=pdl, SCALED=scales is not None, QUANT_X=maxima is not None, CHUNKS=chunks,
-        CHUNKS_P2=next_power_of_2(chunks),
-        E4M3=e4m3_encoder(kernels.fp8_matmul_kernel, xq.device) if maxima is not None else 2,
-        num_warps=num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+        MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
+        PROMOTE=cfg.promote and scales is not None, PDL=pdl, launch_pdl=pdl,
+        SCALED=scales is not None, num_warps=num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](

@@ -22,7 +22,7 @@ from torch import nn
 
 import pagedattn_kernels
 from pagedattn_kernels.ops import MAX_HIDDEN
-from pagedkv.engine.models.quantization import Fp8Rows, SiluRows, takes_silu_matmul
+from pagedkv.engine.models.quantization import Fp8Rows
 
 # The rotary kernel and the cache write as one kernel (``RotaryAngles.apply_and_cache``); 0
 # keeps them apart, the baseline a benchmark compares against.
@@ -96,18 +96,14 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Rows | SiluRows:
+def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Rows:
     """SwiGLU's activation on a fused gate/up projection output ``[T, 2 * I]``:
     ``silu(gate) * up`` (one fused kernel where :func:`fused_kernels_enabled`; with
     ``fp8_out``, quantized per token by the fused op for an fp8 down projection: on an H200
     as fast as the plain kernel and a separate quantization or faster, from 16 rows to 1,024:
-    ``pagedattn_kernels.fused.triton_launch.silu_and_mul`` has the timings). For decode
-    batches (``quantization.takes_silu_matmul``) the fp8 down projection makes the activation
-    itself (:class:`SiluRows`), quantizing it as its matmul loads it."""
+    ``pagedattn_kernels.fused.triton_launch.silu_and_mul`` has the timings)."""
     if fused_kernels_enabled(x.device):
         if fp8_out and x.shape[-1] // 2 <= MAX_HIDDEN:
-            if takes_silu_matmul(x):
-                return SiluRows(x)
             return Fp8Rows(*pagedattn_kernels.silu_and_mul_fp8(x), x.dtype)
         return pagedattn_kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)

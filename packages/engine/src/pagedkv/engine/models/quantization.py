@@ -42,12 +42,6 @@ same (bit for bit, but for the compiled norm's sum order: ``pagedattn_kernels.rm
 A model opts in per layer (``use_fp8_inputs``, called by :func:`quantize_model`); the output
 projection's input (attention's output) is still quantized by :func:`fp8_linear` itself.
 
-For decode batches of up to ``FP8_SILU_MATMUL_MAX_ROWS`` (32) rows on a GPU, SwiGLU's
-activation is not quantized by a kernel of its own either: the activation layer hands over
-:class:`SiluRows`, and the down projection runs ``pagedattn_kernels.silu_and_mul_fp8_matmul``,
-whose matmul quantizes the products as it loads them (the same values, one launch fewer).
-``PAGEDKV_FP8_SILU_MATMUL_MAX_ROWS=0`` turns that off.
-
 Fast accumulation (on by default; ``PAGEDKV_FP8_FAST_ACCUM=0`` turns it off): ``torch._scaled_mm``'s
 ``use_fast_accum`` and ``fp8_matmul``'s ``fast_accum``, Hopper's fp8 tensor-core accumulation
 without promoting partial sums to float32 (what vLLM's CUTLASS fp8 kernels for Hopper use).
@@ -101,9 +95,6 @@ FP8_MATMUL_MAX_ROWS = row_limit("PAGEDKV_FP8_MATMUL_MAX_ROWS", "128")
 FP8_MATMUL_DEVICES = ("cuda",)
 # torch._scaled_mm's use_fast_accum and fp8_matmul's fast_accum (see above).
 FP8_FAST_ACCUM = os.environ.get("PAGEDKV_FP8_FAST_ACCUM", "1") == "1"
-# SwiGLU's activation of at most this many rows is quantized by the down projection's matmul
-# as it loads the products (:class:`SiluRows`; 0: by its own kernel, as for more rows).
-FP8_SILU_MATMUL_MAX_ROWS = row_limit("PAGEDKV_FP8_SILU_MATMUL_MAX_ROWS", "32")
 
 
 class Fp8Rows(NamedTuple):
@@ -114,26 +105,6 @@ class Fp8Rows(NamedTuple):
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
-
-
-class SiluRows(NamedTuple):
-    """The down projection's input still to be made: SwiGLU's activation of ``gate_up [..., 2 *
-    I]``, which :func:`fp8_linear` computes, quantizes and multiplies in
-    ``pagedattn_kernels.silu_and_mul_fp8_matmul`` (the quantization inside the matmul's loads:
-    one kernel fewer than :class:`Fp8Rows` from ``silu_and_mul_fp8``, the same values).
-    ``models.layers.silu_and_mul`` hands it over for decode batches of at most
-    ``FP8_SILU_MATMUL_MAX_ROWS`` rows on a GPU."""
-
-    gate_up: torch.Tensor
-
-
-def takes_silu_matmul(gate_up: torch.Tensor) -> bool:
-    """Whether ``models.layers.silu_and_mul`` should defer these rows to an fp8 down
-    projection (:class:`SiluRows`): few enough of them, on a GPU with fp8 tensor cores."""
-    rows = gate_up.numel() // max(gate_up.shape[-1], 1)
-    if rows > min(FP8_SILU_MATMUL_MAX_ROWS, FP8_MATMUL_MAX_ROWS) or not gate_up.is_cuda:
-        return False
-    return hasattr(torch, "_scaled_mm") and cuda_capability(gate_up.device) >= (8, 9)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,16 +154,7 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., in] @ dequant(weight [out, in]).T + bias`` in ``x.dtype``, with ``x`` quantized
-    per token on the way (see the module docstring), or already quantized (:class:`Fp8Rows`),
-    or SwiGLU's activation still to be made and quantized (:class:`SiluRows`)."""
-    if isinstance(x, SiluRows):
-        gate_up = x.gate_up
-        rows = gate_up.reshape(-1, gate_up.shape[-1])
-        y = pagedattn_kernels.silu_and_mul_fp8_matmul(rows, weight, weight_scale,
-                                                      fast_accum=FP8_FAST_ACCUM)  # fmt: skip
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*gate_up.shape[:-1], weight.shape[0])
+    per token on the way (see the module docstring), or already quantized (:class:`Fp8Rows`)."""
     if isinstance(x, Fp8Rows):
         shape, dtype = x.q.shape, x.dtype
         q, x_scale = x.q.reshape(-1, shape[-1]), x.scale.reshape(-1, 1)
