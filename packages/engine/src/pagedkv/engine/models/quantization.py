@@ -4,7 +4,8 @@ At load time every linear layer of the decoder stack (the tensor-parallel linear
 output, gate/up and down projections) has its weight quantized *per output channel*:
 ``scale[n] = amax(|W[n, :]|) / 448`` and ``Wq[n, :] = e4m3(W[n, :] / scale[n])``, which halves
 the weight bytes a decode step reads (the embedding and the LM head keep the model dtype, as
-in vLLM; ``--quantize-lm-head`` quantizes the LM head too: :func:`quantize_lm_head`). At run time each activation row (token) is quantized with its own *dynamic* scale
+in vLLM; ``--quantize-lm-head`` quantizes the LM head too: :func:`quantize_lm_head`). At run
+time each activation row (token) is quantized with its own *dynamic* scale
 (``pagedattn_kernels.quantize_fp8_per_token``), and the matmul is
 
     y[t, n] = (sum_k xq[t, k] * Wq[n, k]) * x_scale[t] * w_scale[n]
@@ -217,7 +218,9 @@ def quantize_model(model: nn.Module, method: str, lm_head: bool = False) -> int:
 def logits_head(model: nn.Module) -> nn.Module | None:
     """The module whose weight is ``model``'s output matrix (``lm_head``, or the embedding
     when they are tied), where it can hold an fp8 copy (``fp8_head``); else None."""
-    head = getattr(model, "lm_head", None) or getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = getattr(model, "embed_tokens", None)
     return head if hasattr(head, "fp8_head") else None
 
 
