@@ -15,10 +15,6 @@ figure.
         --batch-sizes 8,32,160 --context 900 --model meta-llama/Meta-Llama-3-8B \\
         --load-format dummy --dtype bfloat16 --kv-cache-dtype fp8 --quantization fp8
 
-Since the decode kernel merges split rows and quantizes attention's output itself (the
-defaults ``PAGEDATTN_PLAN_MERGE_IN_KERNEL=1`` and ``PAGEDKV_FP8_ATTN_OUT=1``), ``merge`` and
-``quant_o`` measure what they name only with those set to 0 (the kernels they skip run then).
-
 ``--skip`` (comma-separated, empty: none, the baseline):
   merge       the plan's merge launch (split rows keep their partial outputs)
   quant_o     the runtime per-token quantization in ``fp8_linear`` (the output projection's

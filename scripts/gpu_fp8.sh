@@ -80,9 +80,6 @@
 #   bash scripts/gpu_fp8.sh pdl                # ~4 min
 #     a decode step at 16, 64 and 256 sequences of ~900 tokens with PAGEDATTN_PDL=1 and =0,
 #     interleaved twice, bf16 then fp8 -> decode_pdl{1,0}_{bf16,fp8}_{1,2}.json/.log
-#   bash scripts/gpu_fp8.sh fold               # ~4 min
-#     a decode step of the fp8 model at FOLD_BATCHES sequences with the decode kernel merging
-#     and quantizing itself, merging only, and neither, interleaved twice (printed)
 #   bash scripts/gpu_fp8.sh ropecache          # ~4 min
 #     a decode step at 16, 64 and 256 sequences with the rotary embedding in the cache-write
 #     kernel (PAGEDKV_FUSED_ROPE_CACHE=1) and apart (=0): fp8 interleaved twice, bf16 once;
@@ -278,23 +275,18 @@ for part in "${parts[@]}"; do
       # Issue 20's fp8 goal as a same-call comparison: fp8 weights + fp8 KV, then bf16, no
       # transformers runs, RATIO_ROUNDS (2) times interleaved; each round's ratio, then their
       # median and spread. RATIO_KINDS (fp8 bf16) lists the runs of a round: fp8lm is fp8 with
-      # --quantize-lm-head; fp8unf and bf16unf are fp8 and bf16 without the decode kernel's
-      # own merge and quantization (fp8unf against bf16unf where both run). The logs stay in /tmp and only the last round's JSONs come back (a
+      # --quantize-lm-head. The logs stay in /tmp and only the last round's JSONs come back (a
       # call returns 8 files), with ratio_summary.json: every run's figures.
       keep_out=$OUT; OUT=/tmp/pagedkv-ratio; mkdir -p "$OUT"
       kinds=(${RATIO_KINDS:-fp8 bf16})
       for ((round = 1; round <= ${RATIO_ROUNDS:-2}; round++)); do
         for kind in "${kinds[@]}"; do
           case $kind in
-            fp8|fp8unf) extra=(--kv-cache-dtype fp8 --quantization fp8) ;;
+            fp8) extra=(--kv-cache-dtype fp8 --quantization fp8) ;;
             fp8lm) extra=(--kv-cache-dtype fp8 --quantization fp8 --quantize-lm-head) ;;
             *) extra=() ;;
           esac
-          # *unf: the decode kernel neither merges nor quantizes (the kernels after it do)
-          (if [[ $kind == *unf ]]; then
-             export PAGEDATTN_PLAN_MERGE_IN_KERNEL=0 PAGEDKV_FP8_ATTN_OUT=0
-           fi
-           throughput "_${kind}_r$round" "${extra[@]}" | grep -E "^\{'output")
+          throughput "_${kind}_r$round" "${extra[@]}" | grep -E "^\{'output"
         done
       done
       for kind in "${kinds[@]}"; do
@@ -303,9 +295,7 @@ for part in "${parts[@]}"; do
       "$PYTHON" - "$OUT" "$name" "${RATIO_ROUNDS:-2}" "$keep_out/ratio_summary.json" "${kinds[@]}" <<'PY'
 import json, statistics, sys
 out, name, rounds, summary, *kinds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:]
-runs, ratios = {}, {k: [] for k in kinds if not k.startswith("bf16")}
-# the *unf runs (no merge or quantization in the decode kernel) against bf16unf where it ran
-base = {k: "bf16unf" if k.endswith("unf") and "bf16unf" in kinds else "bf16" for k in ratios}
+runs, ratios = {}, {k: [] for k in kinds if k != "bf16"}
 for r in range(1, rounds + 1):
     for k in kinds:
         try:
@@ -317,15 +307,15 @@ for r in range(1, rounds + 1):
                              "mixed_seconds", "decode_seconds", "num_gpu_blocks",
                              "quantize_lm_head", "roofline_serial_frac")}
         runs[f"{k}_r{r}"]["bands_s"] = {b: v["seconds"] for b, v in d.get("decode_host_gap_by_batch", {}).items()}
+    bf16 = runs.get(f"bf16_r{r}")
     for k in ratios:
-        bf16 = runs.get(f"{base[k]}_r{r}")
         if bf16 and f"{k}_r{r}" in runs:
             ratio = runs[f"{k}_r{r}"]["output_tok_s"] / bf16["output_tok_s"]
             ratios[k].append(ratio)
-            print(f"round {r}: {k} {runs[f'{k}_r{r}']['output_tok_s']:,.0f} / {base[k]} {bf16['output_tok_s']:,.0f} output tok/s = {ratio:.3f}x")
+            print(f"round {r}: {k} {runs[f'{k}_r{r}']['output_tok_s']:,.0f} / bf16 {bf16['output_tok_s']:,.0f} output tok/s = {ratio:.3f}x")
 for k, rs in ratios.items():
     if rs:
-        print(f"{k} / {base[k]}: median {statistics.median(rs):.3f}x, spread {min(rs):.3f}-{max(rs):.3f}x over {len(rs)} rounds (goal 1.5x)")
+        print(f"{k} / bf16: median {statistics.median(rs):.3f}x, spread {min(rs):.3f}-{max(rs):.3f}x over {len(rs)} rounds (goal 1.5x)")
 for key, run in runs.items():
     print(f"{key}: {run['output_tok_s']:,.0f} tok/s, {run['seconds']:.2f} s (prompt passes "
           f"{run['mixed_seconds'] or 0:.2f}), roofline {run['roofline_frac'] or 0:.1%}, bands {run['bands_s']}")
@@ -502,26 +492,6 @@ PY
               "${model[@]}" "${extra[@]}" --output-json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1
             echo "$kind PAGEDATTN_PDL=$pdl round $round (exit $?): $(tail -1 "$OUT/$tag.log")"
           done
-        done
-      done
-      ;;
-    fold)
-      # A decode step of the fp8 model at FOLD_BATCHES (8,32,64,160) sequences of ~900 tokens
-      # with the decode kernel merging split rows and quantizing the output projection's input
-      # itself (fused: the defaults), merging only (merge), and neither (unfused: the merge
-      # and quantization kernels after it), interleaved twice; logs in /tmp, the step lines
-      # printed
-      if [[ "$SMOKE" == 1 ]]; then echo "=== fold: needs a GPU (skipped in a smoke run)"; continue; fi
-      for round in 1 2; do
-        for setting in unfused:0:0 merge:1:0 fused:1:1; do
-          IFS=: read -r label merge quant <<< "$setting"
-          tag="decode_fold_${label}_$round"
-          PAGEDATTN_PLAN_MERGE_IN_KERNEL=$merge PAGEDKV_FP8_ATTN_OUT=$quant timeout 200 \
-            "$PYTHON" -m pagedkv.bench.decode_step --batch-sizes "${FOLD_BATCHES:-8,32,64,160}" \
-            --context 900 --steps 32 --warmup-steps 4 "${model[@]}" --kv-cache-dtype fp8 \
-            --quantization fp8 > "/tmp/$tag.log" 2>&1
-          echo "$label round $round (exit $?):"
-          grep -E "^  batch .*decode step" "/tmp/$tag.log"
         done
       done
       ;;

@@ -171,7 +171,7 @@ def test_planned_graph_inputs_give_the_eager_logits(planned: ModelRunner) -> Non
     # item), and some row split
     plan = r.graphs._plan_views(16)
     spans: dict[int, list[tuple[int, int]]] = {}
-    for row, start, end, *_ in plan.work.tolist():
+    for row, start, end, _ in plan.work.tolist():
         if row >= 0:
             spans.setdefault(row, []).append((start, end))
     contexts = [len(t) + 1 for t, _ in seqs] + [0] * 5

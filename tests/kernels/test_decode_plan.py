@@ -60,8 +60,7 @@ def check_plan(
     (``chunk``: the bound on every chunk's length, where known; ``ordered``: longest first).
     Returns the number of items."""
     work, merges = plan.work, plan.merges
-    assert work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == 6
-    assert DecodePlan.WORK_COLUMNS == 6
+    assert work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == 4
     assert merges.dtype == torch.int32 and merges.dim() == 2 and merges.shape[1] == 3
     assert work.is_contiguous() and merges.is_contiguous()
     assert plan.tile_n == tile_n
@@ -69,21 +68,19 @@ def check_plan(
     items = [tuple(w) for w in work_rows if w[0] != -1]
     k = len(items)
     assert work_rows[:k] == [list(w) for w in items], "padding items must come last"
-    assert all(w == [-1] * 6 for w in work_rows[k:]), "padding items are all -1"
+    assert all(w == [-1, -1, -1, -1] for w in work_rows[k:]), "padding items are all -1"
     assert plan.num_items == k
     m = sum(1 for r in merge_rows if r[0] != -1)
     assert all(r[0] != -1 for r in merge_rows[:m]), "padding merges must come last"
     assert all(r == [-1, -1, -1] for r in merge_rows[m:]), "padding merges are all -1"
 
-    lengths = [end - start for _, start, end, *_ in items]
+    lengths = [end - start for _, start, end, _ in items]
     if ordered:
         assert lengths == sorted(lengths, reverse=True), "items must be listed longest first"
     by_row: dict[int, list[tuple[int, int, int]]] = {}
-    row_split: dict[int, set[tuple[int, int]]] = {}  # each item's (first partial, count)
-    for row, start, end, partial, first, count in items:
+    for row, start, end, partial in items:
         assert 0 <= row < len(lens), f"item of row {row}, batch of {len(lens)}"
         by_row.setdefault(row, []).append((start, end, partial))
-        row_split.setdefault(row, set()).add((first, count))
     assert sorted(by_row) == list(range(len(lens))), "every row needs at least one item"
     by_merge: dict[int, tuple[int, int]] = {}
     for row, first, count in merge_rows[:m]:
@@ -108,14 +105,12 @@ def check_plan(
         assert len({end - start for start, end, _ in chunks[:-1]}) <= 1, chunks
         if len(chunks) == 1:
             assert chunks[0][2] == -1, f"row {row} of one chunk writes a partial"
-            assert row_split[row] == {(-1, 1)}, f"row {row} of one chunk: {row_split[row]}"
             assert row not in by_merge, f"row {row} of one chunk has a merge entry"
             continue
         own = [p for _, _, p in chunks]
         assert row in by_merge, f"split row {row} has no merge entry"
         first, count = by_merge[row]
         assert count == len(chunks), (row, count, chunks)
-        assert row_split[row] == {(first, count)}, "every item names its row's merge"
         assert sorted(own) == list(range(first, first + count)), (row, first, count, own)
         partials += own
     assert len(set(partials)) == len(partials), "two chunks share a partial row"
@@ -174,7 +169,7 @@ def test_build_plan_covers_every_row_once(lens, lanes, tile_n, min_chunk):
         assert k <= 2 * lanes, "rows that fit one wave: the items fit two"
     # Padded to the capacity (a CUDA graph's buffers): the same items and merges, then -1.
     padded = build_plan(lens, lanes, tile_n, size=(most_items, most_merges), min_chunk=min_chunk)
-    assert padded.work.shape == (most_items, 6) and padded.merges.shape == (most_merges, 3)
+    assert padded.work.shape == (most_items, 4) and padded.merges.shape == (most_merges, 3)
     assert check_plan(padded, lens, tile_n, chunk) == k
     assert torch.equal(padded.work[:k], plan.work)
     assert torch.equal(padded.merges[: plan.merges.shape[0]], plan.merges)
@@ -189,9 +184,7 @@ def test_build_plan_examples():
     given size; negative lengths."""
     plan = build_plan([600, 0, 17, 130, 1, 0, 64], lanes=8, tile_n=64)
     # 812 tokens over 8 lanes: 102, raised to min_chunk (128): 600 in 5 chunks, 130 in 2
-    assert plan.work[:, 4:].tolist() == [[0, 5]] * 4 + [[5, 2], [0, 5]] + [[-1, 1]] * 2 + [
-        [5, 2]] + [[-1, 1]] * 3  # fmt: skip
-    assert plan.work[:, :4].tolist() == [
+    assert plan.work.tolist() == [
         [0, 0, 128, 0], [0, 128, 256, 1], [0, 256, 384, 2], [0, 384, 512, 3], [3, 0, 128, 5],
         [0, 512, 600, 4], [6, 0, 64, -1], [2, 0, 17, -1], [3, 128, 130, 6], [4, 0, 1, -1],
         [1, 0, 0, -1], [5, 0, 0, -1],
@@ -199,7 +192,7 @@ def test_build_plan_examples():
     assert plan.merges.tolist() == [[0, 0, 5], [3, 5, 2]]
     # More rows than lanes: the average work of a lane (1000 / 2 -> 512 in tiles of 128).
     plan = build_plan([900, 100, 0], lanes=2, tile_n=128)
-    assert plan.work[:, :4].tolist() == [[0, 0, 512, 0], [0, 512, 900, 1], [1, 0, 100, -1],
+    assert plan.work.tolist() == [[0, 0, 512, 0], [0, 512, 900, 1], [1, 0, 100, -1],
                                   [2, 0, 0, -1]]  # fmt: skip
     assert plan.merges.tolist() == [[0, 0, 2]]
     # One row, many lanes, no min_chunk: 1/MAX_CHUNKS of the row bounds its chunks.
@@ -395,95 +388,6 @@ def test_planned_decode_follows_any_valid_plan(target, seed, group, poisoned_scr
     )
 
 
-def _fp8_out(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_out`` buffers for ``query``'s rows, filled with garbage (NaN bytes, NaN scales)
-    so that a row the call does not write shows."""
-    n, h, d = query.shape
-    q8 = torch.full((n, h * d), 0x7F, dtype=torch.uint8, device=query.device).view(FP8)
-    return q8, torch.full((n, 1), float("nan"), device=query.device)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == FP8:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return bool(torch.equal(a, b))
-
-
-@pytest.mark.parametrize("case", [*PLAN_CASES[:3], (128, BF16, 16, 4, 2)], ids=_case_id)
-def test_decode_fp8_out_is_the_per_token_quantization(target, seed, case, poisoned_scratch):
-    """``fp8_out``: the output rows quantized per token, bit for bit what
-    ``quantize_fp8_per_token`` makes of the output the same call returns, by a plan (on the
-    GPU inside the decode kernel) and without one, padding rows (zeros: the least scale)
-    included; a bf16 query on an fp8 cache as the engine's fp8 models run it."""
-    head_dim, dtype, block_size, group, num_kv_heads = case
-    gen = target.generator(seed)
-    if target.full:
-        num_kv_heads *= 2
-    lens = _lens(target, gen)
-    batch = random_paged_batch(
-        gen, lens, [1] * len(lens), num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, block_size=block_size, dtype=dtype, device=target.device,
-    )  # fmt: skip
-    kv_dtype, scales = dtype, {}
-    if dtype == BF16:  # the engine's fp8 model: an fp8 cache
-        kv_dtype = FP8
-        batch.key_cache = (4 * batch.key_cache.float()).to(FP8)
-        batch.value_cache = (4 * batch.value_cache.float()).to(FP8)
-        scales = {"k_scale": torch.tensor([0.25], device=target.device),
-                  "v_scale": torch.tensor([0.5], device=target.device)}  # fmt: skip
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
-    ref = reference.paged_decode_attention(*args, **scales)
-    for planned in (True, False):
-        plan = None
-        if planned:
-            plan = _plan(target, batch.lens, num_kv_heads, head_dim, dtype, kv_dtype, padded=True)
-        q8, q8_scale = _fp8_out(batch.query)
-        out = pk.paged_decode_attention(*args, out=poisoned_like(batch.query), plan=plan,
-                                        backend=target.backend, fp8_out=(q8, q8_scale),
-                                        **scales)  # fmt: skip
-        err = rel_error(out, ref)
-        assert err < TOLERANCE[dtype], f"planned={planned}: rel error {err:.2e} (seed={seed})"
-        want_q8, want_scale = pk.quantize_fp8_per_token(out.reshape(len(lens), -1),
-                                                        backend=target.backend)  # fmt: skip
-        assert _same_bits(q8, want_q8), f"planned={planned}: q8 differs (seed={seed})"
-        assert _same_bits(q8_scale, want_scale), f"planned={planned}: scales differ ({seed=})"
-        # what the output projection gets back: the output to within e4m3's resolution
-        back = q8.float() * q8_scale
-        err = rel_error(back.view_as(out), out.double())
-        assert err < 0.07, f"planned={planned}: dequantized rows off by {err:.2e} ({seed=})"
-
-
-def test_in_kernel_merge_matches_the_merge_kernel(target, seed, monkeypatch):
-    """The decode kernel's own merge of split rows (``PLAN_MERGE_IN_KERNEL``) gives the merge
-    kernel's output bit for bit (the same partials, summed in the same order, whichever
-    chunk finishes last), and leaves its counts at zero for the next call, whose output is
-    the same again."""
-    if target.backend != "triton":
-        pytest.skip("plans schedule the Triton kernels")
-    from pagedattn_kernels.attention import triton_launch
-
-    gen = target.generator(seed)
-    lens = _lens(target, gen)
-    num_kv_heads, group, head_dim = (2, 4, 64) if not target.full else (8, 4, 128)
-    batch = random_paged_batch(
-        gen, lens, [1] * len(lens), num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, block_size=16, dtype=BF16, device=target.device,
-    )  # fmt: skip
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
-    plan = _plan(target, batch.lens, num_kv_heads, head_dim, BF16, BF16)
-    assert plan.merges.shape[0] > 0, "the test needs a split row"
-    outs = []
-    for in_kernel in (False, True, True):
-        monkeypatch.setattr(triton_launch, "PLAN_MERGE_IN_KERNEL", in_kernel)
-        outs.append(pk.paged_decode_attention(*args, out=poisoned_like(batch.query), plan=plan,
-                                              backend="triton"))  # fmt: skip
-        if in_kernel:
-            counts = triton_launch._COUNTERS[torch.device(target.device)]
-            assert int(counts.abs().sum()) == 0, "the counts must be left at zero"
-    assert torch.equal(outs[0], outs[1]), f"in-kernel merge differs ({seed=})"
-    assert torch.equal(outs[1], outs[2]), f"a second call differs ({seed=})"
-
-
 # --------------------------------------------------------------------------- bad calls
 
 
@@ -507,17 +411,17 @@ def test_decode_rejects_bad_plans():
         return lambda: pk.paged_decode_attention(*args, out=out, backend=backend, plan=plan, **kw)
 
     wide = torch.zeros(work.shape[0], 8, dtype=torch.int32)
-    wide[:, :6] = work
+    wide[:, :4] = work
     bad = [
-        (DecodePlan(work.long(), merges, 64), "plan.work must be int32 [rows, 6], got torch.int64"),
+        (DecodePlan(work.long(), merges, 64), "plan.work must be int32 [rows, 4], got torch.int64"),
         (DecodePlan(work, merges.long(), 64), "plan.merges must be int32 [rows, 3]"),
-        (DecodePlan(work[:, :4].contiguous(), merges, 64), "plan.work must be int32 [rows, 6]"),
-        (DecodePlan(wide, merges, 64), "plan.work must be int32 [rows, 6]"),
-        (DecodePlan(work.reshape(-1), merges, 64), "plan.work must be int32 [rows, 6]"),
+        (DecodePlan(work[:, :3].contiguous(), merges, 64), "plan.work must be int32 [rows, 4]"),
+        (DecodePlan(wide, merges, 64), "plan.work must be int32 [rows, 4]"),
+        (DecodePlan(work.reshape(-1), merges, 64), "plan.work must be int32 [rows, 4]"),
         (DecodePlan(work, merges[:, :2].contiguous(), 64), "plan.merges must be int32 [rows, 3]"),
         (DecodePlan(work.to(elsewhere), merges, 64), "plan.work must be on cpu (the query"),
         (DecodePlan(work, merges.to(elsewhere), 64), "plan.merges must be on cpu (the query"),
-        (DecodePlan(wide[:, :6], merges, 64), "plan.work must be contiguous"),
+        (DecodePlan(wide[:, :4], merges, 64), "plan.work must be contiguous"),
         (DecodePlan(work.t().contiguous().t(), merges, 64), "plan.work must be contiguous"),
         ((work, merges, 64), "plan must be a DecodePlan, got tuple"),
     ]
@@ -552,38 +456,3 @@ def test_plan_decode_rejects():
             pk.plan_decode([5, 300], **{**kw, **bad})
         with pytest.raises(ValueError, match=r"^decode_plan_capacity: num_kv_heads and head_d"):
             pk.decode_plan_capacity(4, **{**kw, **bad})
-
-
-def test_decode_rejects_bad_fp8_out():
-    """``fp8_out`` not a pair of tensors, of the wrong dtype or shape, non-contiguous or on
-    another device: a ValueError on either backend, and nothing written (output and buffers)."""
-    gen = torch.Generator().manual_seed(3)
-    lens = [300, 0, 40]
-    b = random_paged_batch(gen, lens, [1] * 3, num_heads=4, num_kv_heads=2, head_dim=32,
-                           block_size=16, dtype=F32)  # fmt: skip
-    args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens)
-    out = torch.full_like(b.query, 7.0)
-    q8, sc = _fp8_out(b.query)
-    sc.fill_(7.0)  # (NaN equals nothing, not even itself)
-    elsewhere = torch.device("cuda" if torch.cuda.is_available() else "meta")
-    bad = [
-        (q8, "fp8_out must be a pair of tensors"),
-        ((q8,), "fp8_out must be a pair of tensors"),
-        ((q8, sc, sc), "fp8_out must be a pair of tensors"),
-        ((q8, 1.0), "fp8_out must be a pair of tensors"),
-        ((q8.view(torch.uint8), sc), "fp8_out's q8 must be torch.float8_e4m3fn [3, 128]"),
-        ((q8[:2], sc), "fp8_out's q8 must be torch.float8_e4m3fn [3, 128], got"),
-        ((q8.view(3, 4, 32), sc), "fp8_out's q8 must be"),
-        ((q8, sc.double()), "fp8_out's scale must be torch.float32 [3, 1]"),
-        ((q8, sc.view(3)), "fp8_out's scale must be torch.float32 [3, 1]"),
-        ((q8, sc.to(elsewhere)), "fp8_out's scale must be on cpu (the query's device)"),
-        ((torch.empty(128, 3, dtype=FP8).t(), sc), "fp8_out's q8 must be contiguous"),
-    ]
-    for backend in ("triton", "torch"):
-        for fp8_out, match in bad:
-            msg = rejected_unchanged(
-                lambda f=fp8_out, be=backend: pk.paged_decode_attention(
-                    *args, out=out, backend=be, fp8_out=f),
-                out, q8.view(torch.uint8), sc,
-            )  # fmt: skip
-            assert match in msg, (backend, match, msg)

@@ -282,23 +282,15 @@ def _sampling_variants(quick: bool) -> None:
         sampling.argmax_rows(torch.empty(4, 1000, dtype=dtype), torch.empty(4, dtype=torch.int64))
 
 
-def _planned(q, kc, bt, lens, config=None, fp8_out=False, **scales) -> None:
-    """Decode by a plan (``decode_kernel``'s WORK variant, merging in the kernel and, with
-    ``fp8_out``, quantizing the output rows there too; and ``decode_merge_kernel``) with
+def _planned(q, kc, bt, lens, config=None, **scales) -> None:
+    """Decode by a plan (``decode_kernel``'s WORK variant and ``decode_merge_kernel``) with
     ``config`` (None: the launcher's)."""
     cfg = config or attention.decode_config(q.shape[2], q.dtype, kv_dtype=kc.dtype,
                                             num_pairs=q.shape[0] * kc.shape[2],
                                             planned=True)  # fmt: skip
     plan = decode_plan.build_plan(lens.tolist(), 2, cfg.tile_n, min_chunk=cfg.tile_n)
-    rows = None
-    if fp8_out:
-        rows = (torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=torch.float8_e4m3fn),
-                torch.empty(q.shape[0], 1))  # fmt: skip
-    for in_kernel in (True, False):
-        attention.PLAN_MERGE_IN_KERNEL = in_kernel
-        attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
-                                         config=cfg, plan=plan, fp8_out=rows, **scales)  # fmt: skip
-    attention.PLAN_MERGE_IN_KERNEL = True
+    attention.paged_decode_attention(q, kc, kc, bt, lens, 0.1, 512, torch.empty_like(q),
+                                     config=cfg, plan=plan, **scales)  # fmt: skip
 
 
 def _fp8_variants() -> None:
@@ -334,7 +326,7 @@ def _fp8_variants() -> None:
             k_scale=unit, v_scale=unit, seq_order=torch.tensor([1, 0], dtype=torch.int32),
         )  # fmt: skip
         for cfg in (None, attention.FP8_NARROW, attention.FP8_ONE_WARP):  # by decode plans
-            _planned(q, kc, bt, lens, cfg, fp8_out=True, k_scale=unit, v_scale=unit)
+            _planned(q, kc, bt, lens, cfg, k_scale=unit, v_scale=unit)
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),
                                   k_scale=unit, v_scale=unit)  # fmt: skip

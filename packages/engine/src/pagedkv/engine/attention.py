@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 import pagedattn_kernels
-from pagedkv.engine.models.quantization import Fp8Rows
 
 if TYPE_CHECKING:
     from pagedkv.engine.models.layers import RotaryAngles
@@ -107,10 +106,6 @@ class Attention(nn.Module):
         self.scale = float(scale)
         self.register_buffer("k_scale", torch.ones(1), persistent=False)
         self.register_buffer("v_scale", torch.ones(1), persistent=False)
-        # Set for an fp8 output projection (`models.quantization`): decode steps return their
-        # output quantized per token (`Fp8Rows`), by the decode kernel itself where it can
-        # (`pagedattn_kernels.paged_decode_attention`'s `fp8_out`).
-        self.fp8_out = False
 
     def init_buffers(self) -> None:
         """Refill the fp8 scales with 1.0 in float32 (whatever the model dtype) after the module
@@ -127,11 +122,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,
         rope: RotaryAngles | None = None,
-    ) -> torch.Tensor | Fp8Rows:
+    ) -> torch.Tensor:
         """`out`: a `[T, num_heads * head_dim]` (or 3-d) buffer to write into. `rope`: this
         step's rotary angles, applied to `query` and `key` before anything else (in the
-        kernel that writes the cache, with the fused kernels). With `fp8_out` set, a
-        decode-only step returns its rows quantized per token (`Fp8Rows`) instead."""
+        kernel that writes the cache, with the fused kernels)."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -157,13 +151,6 @@ class Attention(nn.Module):
                 key, value, key_cache, value_cache, meta.slot_mapping, **scales
             )
         if meta.decode_only:
-            fp8_out = None
-            if self.fp8_out:
-                fp8_out = (
-                    torch.empty(num_tokens, self.num_heads * self.head_dim,
-                                dtype=pagedattn_kernels.FP8_DTYPE, device=query.device),
-                    torch.empty(num_tokens, 1, dtype=torch.float32, device=query.device),
-                )  # fmt: skip
             out = pagedattn_kernels.paged_decode_attention(
                 query,
                 key_cache,
@@ -175,11 +162,8 @@ class Attention(nn.Module):
                 out=out,
                 seq_order=meta.decode_order,
                 plan=meta.decode_plan,
-                fp8_out=fp8_out,
                 **scales,
             )
-            if fp8_out is not None:
-                return Fp8Rows(*fp8_out, query.dtype)
         elif meta.num_decode_seqs:
             nd = meta.num_decode_seqs
             if out is None:

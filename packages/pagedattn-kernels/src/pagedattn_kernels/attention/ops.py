@@ -17,9 +17,8 @@ from pagedattn_kernels.attention.checks import (
     check_new_kv,
     check_triton_attention,
 )
-from pagedattn_kernels.attention.plan import WORK_COLUMNS, DecodePlan
-from pagedattn_kernels.common import FP8_DTYPE, check_kv_scales, fail, resolve_backend
-from pagedattn_kernels.quant import torch_impl as quant_torch
+from pagedattn_kernels.attention.plan import DecodePlan
+from pagedattn_kernels.common import check_kv_scales, fail, resolve_backend
 
 __all__ = ["paged_attention", "paged_decode_attention"]
 
@@ -103,7 +102,6 @@ def paged_decode_attention(
     num_splits: int | None = None,
     seq_order: torch.Tensor | None = None,
     plan: DecodePlan | None = None,
-    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``query [num_seqs, num_heads, head_dim]``) attending its
     whole context of ``seq_lens[i]`` tokens. On the GPU, long contexts are split over several
@@ -118,12 +116,6 @@ def paged_decode_attention(
     it takes the place of the split count and ``seq_order`` (Triton backend; the torch path
     has no programs to plan and ignores it).
     fp8 caches: ``k_scale`` / ``v_scale`` as in :func:`paged_attention`.
-    ``fp8_out = (q8, scale)`` (e4m3 ``[num_seqs, num_heads * head_dim]`` and float32
-    ``[num_seqs, 1]``, contiguous, on the query's device): also write the output's rows
-    quantized per token there, as ``quantize_fp8_per_token(out.reshape(num_seqs, -1))`` would
-    (the same bits): the input of an fp8 output projection. By a plan on the GPU the decode
-    kernel quantizes each row as soon as its last head is done, so no quantization kernel
-    runs after it; elsewhere that kernel (or the torch path) does it after.
     """
     op = "paged_decode_attention"
     check_attention(
@@ -137,46 +129,19 @@ def paged_decode_attention(
         _check_order(op, seq_order, query)
     if plan is not None:
         _check_plan(op, plan, query, num_splits, seq_order)
-    if fp8_out is not None:
-        _check_fp8_out(op, fp8_out, query)
     scale = float(scale) if scale is not None else query.shape[2] ** -0.5
     if out is None:
         out = torch.empty_like(query)
     if resolve_backend(key_cache.device, backend) == "torch":
-        torch_impl.paged_decode_attention(
+        return torch_impl.paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, scale, out, k_scale, v_scale
         )
-        if fp8_out is not None:
-            quant_torch.quantize_fp8_per_token(out.reshape(out.shape[0], -1), *fp8_out)
-        return out
     check_triton_attention(op, query, key_cache, value_cache, out)
     query = query if query.stride(-1) == 1 else query.contiguous()
     return triton_launch.paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
         num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, seq_order=seq_order, plan=plan,
-        fp8_out=fp8_out,
     )  # fmt: skip
-
-
-def _check_fp8_out(op: str, fp8_out: object, query: torch.Tensor) -> None:
-    """``fp8_out``: a pair (e4m3 ``[num_seqs, num_heads * head_dim]``, float32 ``[num_seqs,
-    1]``), both contiguous and on the query's device."""
-    num_seqs, num_heads, head_dim = query.shape
-    if (not isinstance(fp8_out, (tuple, list)) or len(fp8_out) != 2
-            or not all(isinstance(t, torch.Tensor) for t in fp8_out)):  # fmt: skip
-        raise fail(op, "fp8_out must be a pair of tensors (q8, scale)")
-    q8, scale = fp8_out
-    want = [(q8, FP8_DTYPE, [num_seqs, num_heads * head_dim], "q8"),
-            (scale, torch.float32, [num_seqs, 1], "scale")]  # fmt: skip
-    for t, dtype, shape, name in want:
-        if t.dtype != dtype or list(t.shape) != shape:
-            raise fail(op, f"fp8_out's {name} must be {dtype} {shape}, got {t.dtype} "
-                           f"{list(t.shape)}")  # fmt: skip
-        if t.device != query.device:
-            raise fail(op, f"fp8_out's {name} must be on {query.device} (the query's device), "
-                           f"got {t.device}")  # fmt: skip
-        if not t.is_contiguous():
-            raise fail(op, f"fp8_out's {name} must be contiguous")
 
 
 def _check_plan(op: str, plan: DecodePlan, query: torch.Tensor, num_splits: int | None,
@@ -189,7 +154,7 @@ def _check_plan(op: str, plan: DecodePlan, query: torch.Tensor, num_splits: int 
     if num_splits is not None or seq_order is not None:
         raise fail(op, "a plan decides the splits and the order: pass neither num_splits nor "
                        "seq_order with it")  # fmt: skip
-    for name, t, width in (("work", plan.work, WORK_COLUMNS), ("merges", plan.merges, 3)):
+    for name, t, width in (("work", plan.work, 4), ("merges", plan.merges, 3)):
         if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != width:
             raise fail(op, f"plan.{name} must be int32 [rows, {width}], got {t.dtype} "
                            f"{list(t.shape)}")  # fmt: skip

@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -40,23 +39,17 @@ from pagedattn_kernels.common import FP8_DTYPE, fail
 MIN_CHUNK = 128
 #: The most chunks one sequence is cut into (the merge kernel's PARTS_PAD).
 MAX_CHUNKS = 64
-#: The columns of a plan's work items (``DecodePlan.work``).
-WORK_COLUMNS = 6
 
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
-    """``work`` (int32 ``[capacity, 6]``): one item per program of each KV head, longest
-    first: the query row, the chunk's first and end context positions, the row of the
-    partial buffers it writes (-1: the row's whole context, written to the output directly),
-    and the row's first partial row and count of chunks (-1 and 1 for a row of one chunk:
-    what a decode kernel that merges the row itself needs, ``paged_decode_attention``'s
-    in-kernel merge). Rows past the items are padding (all -1). ``merges`` (int32 ``[merge_capacity, 3]``): per
+    """``work`` (int32 ``[capacity, 4]``): one item per program of each KV head, longest
+    first: the query row, the chunk's first and end context positions, and the row of the
+    partial buffers it writes (-1: the row's whole context, written to the output directly).
+    Rows past the items are padding (row -1). ``merges`` (int32 ``[merge_capacity, 3]``): per
     split sequence, its query row, its first partial row and how many (contiguous) partial
     rows it has; padding rows -1. ``tile_n``: the kernel tile the chunks are multiples of
     (the launch must use the same configuration)."""
-
-    WORK_COLUMNS: ClassVar[int] = WORK_COLUMNS
 
     work: torch.Tensor
     merges: torch.Tensor
@@ -135,8 +128,7 @@ def build_plan(
     split = counts[rows] > 1
     partial = np.where(split, np.cumsum(split) - 1, -1)
     order = np.argsort(start - end, kind="stable")  # longest first, ties in row order
-    row_first = np.where(split, partial[firsts[rows]], -1)
-    work = np.stack([rows, start, end, partial, row_first, counts[rows]], axis=1)[order]
+    work = np.stack([rows, start, end, partial], axis=1)[order]
     split_rows = np.flatnonzero(counts > 1)
     merges = np.stack([split_rows, partial[firsts[split_rows]], counts[split_rows]], axis=1)
     if size is not None:

@@ -296,118 +296,12 @@ def _split_length(seq_len, num_splits, min_partition, TILE_N: tl.constexpr):
     return tl.maximum(per, min_partition)
 
 
-@triton.jit
-def _merge_partials(part_out_ptr, part_lse_ptr, first, count, kv_head, stride_po_row,
-                    stride_po_head, stride_pl_row, stride_pl_head, QUERIES_PER_KV: tl.constexpr,
-                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    PARTS_PAD: tl.constexpr):  # fmt: skip
-    """A split row's output for the query heads of ``kv_head`` ([GROUP_PAD, HEAD_DIM_PAD]
-    float32): its ``count`` contiguous partial rows from ``first`` merged, PARTS_PAD at a
-    time, each weighted by exp2(lse - max lse). The partials come from L2 (``.cg``): other
-    programs, on other SMs, wrote them."""
-    # one flat axis of (partial row, head of the group) pairs, reshaped for the sums
-    r = tl.arange(0, PARTS_PAD * GROUP_PAD)
-    part = r // GROUP_PAD
-    head = kv_head * QUERIES_PER_KV + r % GROUP_PAD
-    in_group = r % GROUP_PAD < QUERIES_PER_KV
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = d < HEAD_DIM
-    m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_run = tl.full([GROUP_PAD], 0.0, tl.float32)
-    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
-    for p0 in range(0, count, PARTS_PAD):
-        valid = (p0 + part < count) & in_group
-        row = (first + p0 + part).to(tl.int64)
-        lse = tl.load(part_lse_ptr + row * stride_pl_row + head * stride_pl_head, mask=valid,
-                      other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-        # heads past the group: a finite score, so that their (unused) sums stay finite
-        lse = tl.reshape(tl.where(in_group, lse, 0.0), [PARTS_PAD, GROUP_PAD])
-        parts = tl.load(
-            part_out_ptr + row[:, None] * stride_po_row + head[:, None] * stride_po_head
-            + d[None, :],
-            mask=valid[:, None] & d_mask[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        parts = tl.reshape(parts, [PARTS_PAD, GROUP_PAD, HEAD_DIM_PAD])
-        m_new = tl.maximum(m_run, tl.reduce(lse, 0, tl.standard._elementwise_max))
-        w = tl.exp2(lse - m_new[None, :])
-        alpha = tl.exp2(m_run - m_new)
-        l_run = l_run * alpha + tl.reduce(w, 0, tl.standard._sum_combine)
-        acc = acc * alpha[:, None] + tl.reduce(parts * w[:, :, None], 0, tl.standard._sum_combine)
-        m_run = m_new
-    return acc / l_run[:, None]
-
-
-@triton.jit
-def _quotient(x, scale, recip):
-    """fp32 ``x / scale`` correctly rounded from ``recip = div_rn(1, scale)``: the
-    quantization kernel's helper (``pagedattn_kernels.quant.triton_kernels._quotient`` says
-    why it is exact; repeated because a kernel module holds its own helpers)."""
-    q0 = x * recip
-    q1 = tl.fma(tl.fma(-q0, scale, x), recip, q0)
-    return tl.where(tl.abs(q0) <= 448.0, q1, q0)
-
-
-@triton.jit
-def _e4m3(y, E4M3: tl.constexpr):
-    """fp32 ``y`` (already within +-448) to e4m3, nearest value, ties to even: the hardware
-    conversion (E4M3 2) or integer operations (1), the quantization kernel's encoder
-    (``pagedattn_kernels.quant.triton_kernels._e4m3``)."""
-    if E4M3 == 2:
-        return y.to(tl.float8e4nv)
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
-    steps = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
-    subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
-    code = tl.where(mag < 0x3C800000, subnormal, normal) | sign
-    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def _quantize_row(out_ptr, seq, stride_o_seq, stride_o_head, q8_ptr, q8_scale_ptr, stride_q8,
-                  min_scale, num_heads, ROW_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr, E4M3: tl.constexpr):  # fmt: skip
-    """Row ``seq`` of the output (every head, as stored: in the output's dtype) quantized per
-    token to e4m3 at ``q8[seq, head * HEAD_DIM + d]`` with its scale at ``q8_scale[seq]``, as
-    ``quantize_fp8_per_token`` quantizes the same values: ``scale = max(amax / 448,
-    min_scale)`` (IEEE division), ``q = e4m3(clamp(x / scale))`` (the quotient correctly
-    rounded, ``_quotient``). ROW_HEADS heads at a time, in two passes (the largest magnitude,
-    then the quotients), so that a one-warp program holds a few registers' worth; the row
-    comes from L2 (``.cg``): other programs wrote it."""
-    d = tl.arange(0, HEAD_DIM_PAD)
-    row = seq.to(tl.int64)
-    src = out_ptr + row * stride_o_seq
-    amax = tl.full([ROW_HEADS], 0.0, tl.float32)
-    for h0 in range(0, num_heads, ROW_HEADS):
-        h = h0 + tl.arange(0, ROW_HEADS)
-        mask = (h < num_heads)[:, None] & (d < HEAD_DIM)[None, :]
-        x = tl.load(src + h[:, None] * stride_o_head + d[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)  # fmt: skip
-        amax = tl.maximum(amax, tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max))
-    scale = tl.maximum(tl.math.div_rn(tl.reduce(amax, 0, tl.standard._elementwise_max), 448.0),
-                       min_scale)  # fmt: skip
-    tl.store(q8_scale_ptr + row, scale)
-    recip = tl.math.div_rn(1.0, scale)
-    for h0 in range(0, num_heads, ROW_HEADS):
-        h = h0 + tl.arange(0, ROW_HEADS)
-        mask = (h < num_heads)[:, None] & (d < HEAD_DIM)[None, :]
-        x = tl.load(src + h[:, None] * stride_o_head + d[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)  # fmt: skip
-        y = tl.minimum(tl.maximum(_quotient(x, scale, recip), -448.0), 448.0)
-        tl.store(q8_ptr + row * stride_q8 + h[:, None] * HEAD_DIM + d[None, :], _e4m3(y, E4M3),
-                 mask=mask)  # fmt: skip
-
-
 # per-batch metadata: never specialized on (see the module docstring); the fp8 scales are
 # per-layer tensors whose addresses may or may not be 16-byte aligned
 _BATCH_ARGS = ["block_tables_ptr", "seq_lens_ptr", "stride_bt_seq", "k_scale_ptr", "v_scale_ptr"]
 
 
-@triton.jit(do_not_specialize=["partition_size", "order_ptr", "work_ptr", "counter_ptr",
-                               "num_rows", "q8_scale_ptr", *_BATCH_ARGS])
+@triton.jit(do_not_specialize=["partition_size", "order_ptr", "work_ptr", *_BATCH_ARGS])
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -439,12 +333,6 @@ def decode_kernel(
     stride_po_split,
     stride_pl_seq,
     stride_pl_head,
-    counter_ptr,
-    num_rows,
-    q8_ptr,
-    q8_scale_ptr,
-    stride_q8,
-    min_scale,
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -462,11 +350,6 @@ def decode_kernel(
     ONE_LOOP: tl.constexpr = False,
     ORDERED: tl.constexpr = False,
     WORK: tl.constexpr = False,
-    MERGE: tl.constexpr = False,
-    MERGE_GROUP: tl.constexpr = 1,
-    MERGE_PARTS: tl.constexpr = 1,
-    FP8_OUT: tl.constexpr = 0,
-    ROW_HEADS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Flash-decoding, phase one. Grid: (num_kv_heads, num_splits, num_seqs): the sequence
@@ -493,18 +376,6 @@ def decode_kernel(
     row and writes the output, or, for a chunk of a split row, the partial output and
     log2-sum-exp at the item's partial row (``decode_merge_kernel`` merges them). Padding
     items (row -1) exit.
-    MERGE (with WORK): no merge kernel; the chunks of a split row count themselves in
-    ``counter_ptr`` (one int32 per first partial row and KV head, after ``num_rows`` row
-    counts), and the last to finish merges the row's partials (``_merge_partials``) and
-    writes its output. The other programs of the row have stored their partials by then, so
-    the merge waits for no one; a merge kernel would wait for every program of the step.
-    FP8_OUT (with MERGE; the e4m3 encoder, as ``quantize_fp8_per_token_kernel``'s E4M3): the
-    program that completes a row's output for a KV head counts itself in the row's count;
-    the last of the row's ``num_programs(0)`` KV heads quantizes the whole row per token
-    (``_quantize_row``, ROW_HEADS heads at a time) into ``q8`` / ``q8_scale``: the output
-    projection's fp8 input, with no quantization kernel after this one. The counts are left
-    at zero for the next call. MERGE_GROUP / MERGE_PARTS: ``_merge_partials``' GROUP_PAD and
-    PARTS_PAD.
     """
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
@@ -513,7 +384,7 @@ def decode_kernel(
     split = tl.program_id(1)
     seq = tl.program_id(2)
     if WORK:
-        item = work_ptr + split * 6  # plan.WORK_COLUMNS
+        item = work_ptr + split * 4
         seq = tl.load(item)
         if seq < 0:
             return
@@ -597,39 +468,12 @@ def decode_kernel(
     result = acc / l_safe[:, None]
     lse = m_i + tl.log2(l_safe)
     if WORK:
-        done = partial < 0  # this program completes the row's output for its KV head
         if partial >= 0:
             _store_partial(part_out_ptr, part_lse_ptr, partial, 0, heads, d, result, lse,
                            store_mask, g_mask, stride_po_seq, stride_po_head, stride_po_split,
                            stride_pl_seq, stride_pl_head)  # fmt: skip
-            if MERGE:
-                first = tl.load(item + 4)
-                count = tl.load(item + 5)
-                tl.debug_barrier()  # every thread's partial is stored before the count moves
-                chunks_done = counter_ptr + num_rows + first * tl.num_programs(0) + kv_head
-                done = tl.atomic_add(chunks_done, 1, sem="acq_rel") == count - 1
-                if done:
-                    tl.atomic_xchg(chunks_done, 0)
-                    merged = _merge_partials(part_out_ptr, part_lse_ptr, first, count, kv_head,
-                                             stride_po_seq, stride_po_head, stride_pl_seq,
-                                             stride_pl_head, QUERIES_PER_KV, MERGE_GROUP,
-                                             HEAD_DIM, HEAD_DIM_PAD, MERGE_PARTS)  # fmt: skip
-                    mg = tl.arange(0, MERGE_GROUP)
-                    _store_output(out_ptr, seq, kv_head * QUERIES_PER_KV + mg, d, merged,
-                                  (mg < QUERIES_PER_KV)[:, None] & d_mask[None, :],
-                                  stride_o_seq, stride_o_head)  # fmt: skip
         else:
             _store_output(out_ptr, seq, heads, d, result, store_mask, stride_o_seq, stride_o_head)
-        if FP8_OUT:  # noqa: SIM102 (a constexpr guard: compiled out when 0)
-            if done:
-                tl.debug_barrier()  # every thread's output is stored before the count moves
-                heads_done = counter_ptr + seq
-                if tl.atomic_add(heads_done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-                    tl.atomic_xchg(heads_done, 0)
-                    _quantize_row(out_ptr, seq, stride_o_seq, stride_o_head, q8_ptr,
-                                  q8_scale_ptr, stride_q8, min_scale,
-                                  tl.num_programs(0) * QUERIES_PER_KV, ROW_HEADS, HEAD_DIM,
-                                  HEAD_DIM_PAD, FP8_OUT)  # fmt: skip
     elif SPLIT:
         _store_partial(part_out_ptr, part_lse_ptr, seq, split, heads, d, result, lse, store_mask,
                        g_mask, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq,
@@ -755,16 +599,41 @@ def decode_merge_kernel(
         return
     first = tl.load(merge + 1)
     count = tl.load(merge + 2)
-    merged = _merge_partials(part_out_ptr, part_lse_ptr, first, count, tl.program_id(1),
-                             stride_po_row, stride_po_head, stride_pl_row, stride_pl_head,
-                             QUERIES_PER_KV, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
-                             PARTS_PAD)  # fmt: skip
-    g = tl.arange(0, GROUP_PAD)
+    # one flat axis of (partial row, head of the group) pairs, reshaped for the sums
+    r = tl.arange(0, PARTS_PAD * GROUP_PAD)
+    part = r // GROUP_PAD
+    head = tl.program_id(1) * QUERIES_PER_KV + r % GROUP_PAD
+    in_group = r % GROUP_PAD < QUERIES_PER_KV
     d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_run = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
+    for p0 in range(0, count, PARTS_PAD):
+        valid = (p0 + part < count) & in_group
+        row = (first + p0 + part).to(tl.int64)
+        lse = tl.load(part_lse_ptr + row * stride_pl_row + head * stride_pl_head, mask=valid,
+                      other=float("-inf"))  # fmt: skip
+        # heads past the group: a finite score, so that their (unused) sums stay finite
+        lse = tl.reshape(tl.where(in_group, lse, 0.0), [PARTS_PAD, GROUP_PAD])
+        parts = tl.load(
+            part_out_ptr + row[:, None] * stride_po_row + head[:, None] * stride_po_head
+            + d[None, :],
+            mask=valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # fmt: skip
+        parts = tl.reshape(parts, [PARTS_PAD, GROUP_PAD, HEAD_DIM_PAD])
+        m_new = tl.maximum(m_run, tl.reduce(lse, 0, tl.standard._elementwise_max))
+        w = tl.exp2(lse - m_new[None, :])
+        alpha = tl.exp2(m_run - m_new)
+        l_run = l_run * alpha + tl.reduce(w, 0, tl.standard._sum_combine)
+        acc = acc * alpha[:, None] + tl.reduce(parts * w[:, :, None], 0, tl.standard._sum_combine)
+        m_run = m_new
+    g = tl.arange(0, GROUP_PAD)
     heads = tl.program_id(1) * QUERIES_PER_KV + g
-    _store_output(out_ptr, seq, heads, d, merged,
-                  (g < QUERIES_PER_KV)[:, None] & (d < HEAD_DIM)[None, :], stride_o_seq,
-                  stride_o_head)  # fmt: skip
+    o = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+    tl.store(o, (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(g < QUERIES_PER_KV)[:, None] & d_mask[None, :])  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_seqs", "cu_q_ptr", *_BATCH_ARGS])

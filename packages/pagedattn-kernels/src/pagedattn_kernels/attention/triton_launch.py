@@ -16,7 +16,6 @@ from pagedattn_kernels.attention.plan import DecodePlan
 from pagedattn_kernels.common import (
     FP8_DTYPE,
     capability,
-    e4m3_encoder,
     is_interpreted,
     kernels_for,
     next_power_of_2,
@@ -24,8 +23,6 @@ from pagedattn_kernels.common import (
     sm_count,
     use_pdl,
 )
-from pagedattn_kernels.quant import triton_launch as quant_launch
-from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
 KERNELS = "pagedattn_kernels.attention.triton_kernels"
 
@@ -41,11 +38,6 @@ MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 # (partial row, query head) pairs a program of ``decode_merge_kernel`` loads at once: 16
 # partial rows of a group of four heads (Llama-3's), 64 registers a thread in four warps
 MERGE_ROWS = 64
-#: Planned decode merges its split rows inside the decode kernel (the last chunk of a row to
-#: finish merges it: ``decode_kernel``'s MERGE) rather than in ``decode_merge_kernel`` after
-#: it. ``PAGEDATTN_PLAN_MERGE_IN_KERNEL=0`` (read at import) keeps the merge kernel, for A/B
-#: runs.
-PLAN_MERGE_IN_KERNEL = os.environ.get("PAGEDATTN_PLAN_MERGE_IN_KERNEL", "1") == "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +278,6 @@ def paged_decode_attention(
     seq_order: torch.Tensor | None = None,
     min_partition: int | None = None,
     plan: DecodePlan | None = None,
-    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``plan`` (a ``DecodePlan`` on the query's device, built by ``plan_decode`` for these
     rows): which program attends which chunk of which row, in place of the split count and
@@ -310,11 +301,7 @@ def paged_decode_attention(
 
     ``min_partition``: the fewest tokens a split sequence gives one program (rounded up to
     whole tiles); None: ``MIN_PARTITION`` with the automatic split count, one tile with a
-    forced one (tests split short contexts on purpose).
-
-    ``fp8_out`` (``(q8, scale)``, see ``ops.paged_decode_attention``): the output rows
-    quantized per token as well; by a plan, inside the decode kernel (``_planned_decode``),
-    else by the quantization kernel after it."""
+    forced one (tests split short contexts on purpose)."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
@@ -328,7 +315,7 @@ def paged_decode_attention(
                                   planned=plan is not None)  # fmt: skip
     if plan is not None:
         return _planned_decode(kernels, cfg, plan, query, key_cache, value_cache, block_tables,
-                               seq_lens, scale, out, k_scale, v_scale, fp8_out)  # fmt: skip
+                               seq_lens, scale, out, k_scale, v_scale)  # fmt: skip
     # Without a hint, the block table's width bounds every context (no device sync needed).
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     # The smallest share of a split sequence (the kernel's partition_size). Unused without a
@@ -366,8 +353,6 @@ def paged_decode_attention(
             SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, PDL=pdl,
             launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
-    if fp8_out is not None:
-        quantize_rows(out, fp8_out)
     return out
 
 
@@ -377,14 +362,11 @@ def _launch_decode(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, partition_size: int, stride_po_split: int,
-    order: torch.Tensor | None = None, work: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None, **modes: object,
+    order: torch.Tensor | None = None, work: torch.Tensor | None = None, **modes: bool,
 ) -> None:  # fmt: skip
     """One ``decode_kernel`` launch over ``grid``, the partial buffers' strides taken from
     ``part_out`` / ``part_lse`` (rows, heads[, split]); ``modes``: its SPLIT / ORDERED / WORK
-    / MERGE flags. ``counters``: MERGE's counts (the rows' first); ``fp8_out``: FP8_OUT's
-    ``(q8, q8_scale)``. The unused pointers get ``seq_lens`` (``out`` for ``q8``)."""
+    flags. The unused pointers (``order``, ``work``) get ``seq_lens``."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
@@ -400,9 +382,6 @@ def _launch_decode(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), stride_po_split,
         part_lse.stride(0), part_lse.stride(1),
-        seq_lens if counters is None else counters, query.shape[0],
-        out if fp8_out is None else fp8_out[0], seq_lens if fp8_out is None else fp8_out[1],
-        0 if fp8_out is None else fp8_out[0].stride(0), MIN_SCALE,
         QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype),
@@ -431,17 +410,14 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     out: torch.Tensor, k_scale: torch.Tensor | None,
-                    v_scale: torch.Tensor | None,
-                    fp8_out: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
-    """``paged_decode_attention`` by a plan: one decode program per (KV head, item), which
-    also merges the split rows (``PLAN_MERGE_IN_KERNEL``: the last chunk of a row to finish
-    merges it) and quantizes the output rows for ``fp8_out``; else a merge program per (split
-    row, KV head) after it, and the quantization after that."""
+                    v_scale: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``paged_decode_attention`` by a plan: one decode program per (KV head, item), then one
+    merge program per (split row, KV head)."""
     if plan.tile_n != cfg.tile_n:
         raise ValueError(f"paged_decode_attention: the plan's chunks are in tiles of "
                          f"{plan.tile_n} tokens, the kernel's tiles {cfg.tile_n}: plan with "
                          f"the same rows, dtypes and device")  # fmt: skip
-    num_seqs, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     qpk = num_heads // num_kv_heads
     items, merges = plan.work.shape[0], plan.merges.shape[0]
@@ -449,63 +425,22 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
     work = _scratch(rows * (head_dim + 1), query.device)
     part_out = work[: rows * head_dim].view(items, num_heads, head_dim)
     part_lse = work[rows * head_dim :].view(items, num_heads)
-    group = next_power_of_2(qpk)
-    parts = max(1, MERGE_ROWS // group)
-    # the decode program's own merge and quantization: 16 partial rows, or 1,024 elements of
-    # a row, a warp at a time (64 and 32 float32 registers a thread), as the merge kernel's
-    in_kernel_parts = max(1, 16 * cfg.num_warps // group)
-    row_heads = min(next_power_of_2(num_heads),
-                    max(1, 1024 * cfg.num_warps // padded_head_dim(head_dim)))  # fmt: skip
-    counters = None
-    if PLAN_MERGE_IN_KERNEL:  # the rows' counts, then a (first partial row, KV head)'s
-        counters = _counters(query.device, num_seqs + items * num_kv_heads)
     pdl = use_pdl(query.device)
-    fused_fp8 = fp8_out if counters is not None else None
     _launch_decode(
         kernels, cfg, (num_kv_heads, items, 1), out, part_out, part_lse, query, key_cache,
         value_cache, block_tables, seq_lens, scale, k_scale, v_scale, cfg.tile_n, 0,
-        work=plan.work, counters=counters, fp8_out=fused_fp8, SPLIT=False, WORK=True,
-        MERGE=counters is not None, MERGE_GROUP=group, MERGE_PARTS=in_kernel_parts,
-        FP8_OUT=0 if fused_fp8 is None else e4m3_encoder(kernels.decode_kernel, query.device),
-        ROW_HEADS=row_heads,
+        work=plan.work, SPLIT=False, WORK=True,
     )  # fmt: skip
-    if merges and counters is None:
+    if merges:
+        group = next_power_of_2(qpk)
         kernels.decode_merge_kernel[(merges, num_kv_heads)](
             out, part_out, part_lse, plan.merges, out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
             QUERIES_PER_KV=qpk, GROUP_PAD=group, HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=next_power_of_2(head_dim), PARTS_PAD=parts,
+            HEAD_DIM_PAD=next_power_of_2(head_dim), PARTS_PAD=max(1, MERGE_ROWS // group),
             PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
-    if fp8_out is not None and fused_fp8 is None:
-        quantize_rows(out, fp8_out)
     return out
-
-
-def quantize_rows(out: torch.Tensor, fp8_out: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """``fp8_out = (q8 [rows, heads * dim], scale [rows, 1])``: the attention output's rows
-    ``out [rows, heads, dim]`` quantized per token, by the quantization kernel (the paths that
-    do not quantize inside the decode kernel)."""
-    quant_launch.quantize_fp8_per_token(out.reshape(out.shape[0], -1), *fp8_out)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, numel: int) -> torch.Tensor | None:
-    """The zeroed int32 counts of ``decode_kernel``'s MERGE and FP8_OUT, kept per device
-    (each call leaves them zero). None while a CUDA graph is being captured and they are
-    missing or too few (an allocation there would belong to the graph's pool): the call then
-    merges in ``decode_merge_kernel``. The engine warms each graph's shapes up eagerly before
-    capturing it. One planned decode at a time per device: the engine's run on one stream."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        have = torch.zeros(max(1 << 16, next_power_of_2(numel)), dtype=torch.int32,
-                           device=device)  # fmt: skip
-        _COUNTERS[device] = have
-    return have
 
 
 def paged_attention(

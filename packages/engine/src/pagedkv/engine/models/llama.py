@@ -45,7 +45,6 @@ from pagedkv.engine.models.parallel_layers import (
     materialize,
     vocab_parallel_logits,
 )
-from pagedkv.engine.models.quantization import FP8_ATTENTION_OUT
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +127,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def use_fp8_inputs(self) -> None:
         """fp8 weights (``quantize_model``): the two norms and the MLP's activation quantize
-        the inputs of the Q/K/V, gate/up and down projections in their own kernels, and
-        decode attention the output projection's (``FP8_ATTENTION_OUT``)."""
+        the inputs of the Q/K/V, gate/up and down projections in their own kernels."""
         self.input_layernorm.fp8_out = True
         self.post_attention_layernorm.fp8_out = True
         self.mlp.fp8_act = True
-        self.self_attn.attn.fp8_out = FP8_ATTENTION_OUT
 
     def forward(
         self,

@@ -40,12 +40,8 @@ quantize its own output (``pagedattn_kernels.rms_norm_fp8`` and friends) and han
 layer :class:`Fp8Rows` instead of 16-bit rows: the activation is then written and read once in
 fp8 rather than written in 16 bits, read, quantized and written again. The values are the
 same (bit for bit, but for the compiled norm's sum order: ``pagedattn_kernels.rms_norm_fp8``).
-A model opts in per layer (``use_fp8_inputs``, called by :func:`quantize_model`). The output
-projection's input, attention's output, comes quantized from decode steps
-(``FP8_ATTENTION_OUT``; ``PAGEDKV_FP8_ATTN_OUT=0`` turns it off): by a decode plan, the
-decode kernel's last program of each row quantizes it (``pagedattn_kernels.paged_decode_attention``'s
-``fp8_out``), so no quantization kernel runs between attention and the projection; passes
-with prompt tokens leave it to :func:`fp8_linear`.
+A model opts in per layer (``use_fp8_inputs``, called by :func:`quantize_model`); the output
+projection's input (attention's output) is still quantized by :func:`fp8_linear` itself.
 
 Fast accumulation (on by default; ``PAGEDKV_FP8_FAST_ACCUM=0`` turns it off): ``torch._scaled_mm``'s
 ``use_fast_accum`` and ``fp8_matmul``'s ``fast_accum``, Hopper's fp8 tensor-core accumulation
@@ -100,8 +96,6 @@ FP8_MATMUL_MAX_ROWS = row_limit("PAGEDKV_FP8_MATMUL_MAX_ROWS", "128")
 FP8_MATMUL_DEVICES = ("cuda",)
 # torch._scaled_mm's use_fast_accum and fp8_matmul's fast_accum (see above).
 FP8_FAST_ACCUM = os.environ.get("PAGEDKV_FP8_FAST_ACCUM", "1") == "1"
-# Decode attention hands the output projection its rows already quantized (see above).
-FP8_ATTENTION_OUT = os.environ.get("PAGEDKV_FP8_ATTN_OUT", "1") == "1"
 
 
 class Fp8Rows(NamedTuple):

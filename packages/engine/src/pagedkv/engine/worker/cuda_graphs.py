@@ -95,7 +95,7 @@ class DecodeGraphs:
         self._padding_rows = torch.arange(top, dtype=torch.int32)
         # decode plans: one static buffer of the largest capacity, each graph using its first
         # rows (work rows, then merge rows), and pinned stages in turn; all padding (-1) to start
-        items = max((c[0] * DecodePlan.WORK_COLUMNS + c[1] * 3 for c in self.plan_sizes.values()), default=0)
+        items = max((c[0] * 4 + c[1] * 3 for c in self.plan_sizes.values()), default=0)
         self.plan_buf = torch.full((items,), -1, dtype=torch.int32, device=dev)
         self._plan_stages = [torch.full((items,), -1, dtype=torch.int32, pin_memory=pin)
                              for _ in range(2)]  # fmt: skip
@@ -122,9 +122,8 @@ class DecodeGraphs:
             return None
         items, merges, tile_n = self.plan_sizes[b]
         buf = self.plan_buf if buf is None else buf
-        end = items * DecodePlan.WORK_COLUMNS
-        work = buf[:end].view(items, DecodePlan.WORK_COLUMNS)
-        return DecodePlan(work, buf[end : end + merges * 3].view(merges, 3), tile_n)
+        work = buf[: items * 4].view(items, 4)
+        return DecodePlan(work, buf[items * 4 : items * 4 + merges * 3].view(merges, 3), tile_n)
 
     def _stage_plan(self, b: int, positions: torch.Tensor, turn: int) -> None:
         """Plan this step's rows (contexts: position + 1; padding rows 0) into the pinned stage
