@@ -68,9 +68,14 @@
 #     (sequence, KV head) pairs) and without them (PAGEDATTN_FP8_ONE_WARP_PAIRS=1000000000),
 #     interleaved twice: each round's ratio and the decode bands (the tiles' share of the run)
 #                                                  -> ..._fp8_onewarp{1,0}_r{1,2}.json
-#   ENV_AB="base: x:VAR=1" bash scripts/gpu_fp8.sh envab   # ~2 min a run, carrying .gpu_data
-#     fp8 runs under each setting of ENV_AB (NAME:VAR=VALUE[,...]), ENV_AB_ROUNDS (2) rounds
-#     interleaved: output tok/s and the decode bands of each
+#   ENV_AB="base: x:VAR=1" bash scripts/gpu_fp8.sh envab   # ~1 min a run, carrying .gpu_data
+#     runs under each setting of ENV_AB (NAME:VAR=VALUE[,...]), ENV_AB_ROUNDS (2) rounds
+#     interleaved, of each of ENV_AB_KINDS (fp8; bf16): output tok/s and the decode bands
+#   bash scripts/gpu_fp8.sh stepab             # ~6 min
+#     a decode step (Llama-3-8B shape, ~900 tokens, 8-128 sequences) under STEP_AB's settings,
+#     fp8 and bf16, interleaved twice; by default SwiGLU's activation made in the gate/up
+#     matmul's kernel (the engine's default) against the two kernels
+#     (PAGEDKV_FUSED_GATE_UP_SILU=0): the median ms of each, printed
 #   bash scripts/gpu_fp8.sh profile            # ~3 min
 #     `python -m pagedkv.bench.decode_step --profile-steps 4` at 16 and 48 sequences of ~900
 #     tokens, bf16 then fp8: a decode step's GPU time by kernel -> decode_profile_*.log
@@ -397,32 +402,57 @@ for r in (1, 2):
 PY
       ;;
     envab)
-      # fp8 runs under each of ENV_AB's settings in turn, ENV_AB_ROUNDS (2) rounds interleaved:
+      # runs under each of ENV_AB's settings in turn, ENV_AB_ROUNDS (2) rounds interleaved:
       # settings separated by spaces, each NAME:VAR=VALUE[,VAR=VALUE...] (NAME: alone: the
-      # defaults), e.g. "base: onewarp:PAGEDATTN_FP8_ONE_WARP_PAIRS=1"; then each run's
-      # figures and its decode bands
+      # defaults), e.g. "base: onewarp:PAGEDATTN_FP8_ONE_WARP_PAIRS=1"; ENV_AB_KINDS (fp8)
+      # names the runs: fp8 (weights and cache) and/or bf16; then each run's figures and its
+      # decode bands (the JSONs copied to $OUT: at most 8 come back from a device call)
       keep_out=$OUT; OUT=/tmp/pagedkv-envab; mkdir -p "$OUT"
       for round in $(seq 1 "${ENV_AB_ROUNDS:-2}"); do
         for setting in ${ENV_AB:?ENV_AB: settings to compare}; do
-          label=${setting%%:*}; vars=${setting#*:}
-          (IFS=,; for kv in $vars; do [[ -n $kv ]] && export "${kv?}"; done
-           throughput "_fp8_${label}_r$round" --kv-cache-dtype fp8 --quantization fp8 \
-             | grep -E "^\{'output")
-          cp "$OUT/throughput_${name}_fp8_${label}_r$round.json" "$keep_out"/ 2>/dev/null
+          for kind in ${ENV_AB_KINDS:-fp8}; do
+            label=${setting%%:*}; vars=${setting#*:}
+            extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+            (IFS=,; for kv in $vars; do [[ -n $kv ]] && export "${kv?}"; done
+             throughput "_${kind}_${label}_r$round" "${extra[@]}" \
+               | grep -E "^\{'output")
+            cp "$OUT/throughput_${name}_${kind}_${label}_r$round.json" "$keep_out"/ 2>/dev/null
+          done
         done
       done
       OUT=$keep_out
       "$PYTHON" - "$OUT" "$name" <<'PY'
 import glob, json, re, sys
 out, name = sys.argv[1], sys.argv[2]
-for path in sorted(glob.glob(f"{out}/throughput_{name}_fp8_*_r*.json")):
+for path in sorted(glob.glob(f"{out}/throughput_{name}_*_*_r*.json")):
     d = json.load(open(path))
-    label = re.search(r"_fp8_(\w+)\.json$", path)[1]
+    label = re.search(rf"{name}_(\w+)\.json$", path)[1]
     bands = ", ".join(f"{b}: {v['gpu_ms_mean']:.2f} ms {v['seconds']:.2f} s"
                       for b, v in d.get("decode_host_gap_by_batch", {}).items())
     print(f"{label}: {d['output_tok_s']:,.0f} output tok/s, {d['seconds']:.2f} s, prefill "
           f"{d.get('mixed_seconds') or 0:.2f} s; {bands}")
 PY
+      ;;
+    stepab)
+      # A decode step under each of STEP_AB's settings (ENV_AB's form; default: SwiGLU's
+      # activation in the gate/up matmul's kernel, and apart), STEP_KINDS (fp8 bf16),
+      # STEP_ROUNDS (2) rounds interleaved, at STEP_BATCHES (8,32,64,128) sequences of
+      # STEP_CONTEXT (900) tokens: the median step of each (logs in /tmp, figures printed)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== stepab: needs a GPU (skipped in a smoke run)"; continue; fi
+      for round in $(seq 1 "${STEP_ROUNDS:-2}"); do
+        for kind in ${STEP_KINDS:-fp8 bf16}; do
+          extra=(); [[ $kind == fp8 ]] && extra=(--kv-cache-dtype fp8 --quantization fp8)
+          for setting in ${STEP_AB:-fused: apart:PAGEDKV_FUSED_GATE_UP_SILU=0}; do
+            label=${setting%%:*}; vars=${setting#*:}; tag="decode_stepab_${kind}_${label}_$round"
+            (IFS=,; for kv in $vars; do [[ -n $kv ]] && export "${kv?}"; done
+             timeout 200 "$PYTHON" -m pagedkv.bench.decode_step \
+               --batch-sizes "${STEP_BATCHES:-8,32,64,128}" --context "${STEP_CONTEXT:-900}" \
+               --steps 32 --warmup-steps 4 "${model[@]}" "${extra[@]}" > "/tmp/$tag.log" 2>&1)
+            echo "$kind $label round $round (exit $?): $(grep -oE "batch +[0-9]+: decode step [0-9.]+ ms \(median [0-9.]+" "/tmp/$tag.log" \
+              | sed -E 's/batch +([0-9]+): decode step [0-9.]+ ms \(median ([0-9.]+)/\1: \2/' | paste -sd' ')"
+          done
+        done
+      done
       ;;
     splits)
       if [[ "$SMOKE" == 1 ]]; then echo "=== splits: needs a GPU (skipped in a smoke run)"; continue; fi

@@ -9,8 +9,9 @@ checks (``checks.py``), the torch path (``torch_impl.py``), the Triton launchers
 - ``cache/``: writing K/V into their slots, copying blocks (copy-on-write), swapping blocks;
 - ``fused/``: RMSNorm (with the residual add), SiLU-and-multiply, rotary embedding (alone or
   with the cache write);
-- ``quant/``: per-token fp8 quantization of activations (the dynamic side of an fp8 matmul)
-  and the fp8 matmul that takes them;
+- ``quant/``: per-token fp8 quantization of activations (the dynamic side of an fp8 matmul),
+  the fp8 matmul that takes them and its kernel on 16-bit operands, each also with SwiGLU's
+  activation in its epilogue (a gate/up projection and SiLU-and-multiply in one kernel);
 - ``sampling/``: from logits to token ids: the greedy token of each row (``argmax_rows``).
 
 This module imports each op from its folder, and that import line is what makes an op public:
@@ -47,7 +48,13 @@ from pagedattn_kernels.fused.ops import (
     silu_and_mul,
     silu_and_mul_fp8,
 )
-from pagedattn_kernels.quant.ops import fp8_matmul, matmul_16bit, quantize_fp8_per_token
+from pagedattn_kernels.quant.ops import (
+    fp8_matmul,
+    fp8_matmul_silu_and_mul,
+    matmul_16bit,
+    matmul_16bit_silu_and_mul,
+    quantize_fp8_per_token,
+)
 from pagedattn_kernels.sampling.ops import argmax_rows
 
 __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
@@ -76,7 +83,9 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "silu_and_mul_fp8",
     # quant/
     "fp8_matmul",
+    "fp8_matmul_silu_and_mul",
     "matmul_16bit",
+    "matmul_16bit_silu_and_mul",
     "quantize_fp8_per_token",
     # sampling/
     "argmax_rows",

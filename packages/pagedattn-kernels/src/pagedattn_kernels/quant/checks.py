@@ -33,9 +33,8 @@ def check_quantize_fp8_per_token(x: torch.Tensor, out: torch.Tensor | None,
 
 
 def check_fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
-                     w_scale: torch.Tensor, out: torch.Tensor | None,
-                     out_dtype: torch.dtype) -> None:  # fmt: skip
-    op = "fp8_matmul"
+                     w_scale: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype,
+                     op: str = "fp8_matmul") -> None:  # fmt: skip
     check_float(op, "xq", xq, 2, (FP8_DTYPE,))
     check_float(op, "wq", wq, 2, (FP8_DTYPE,))
     (m, k), n = xq.shape, wq.shape[0]
@@ -65,8 +64,8 @@ def check_fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                        f"with contiguous rows")  # fmt: skip
 
 
-def check_matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
-    op = "matmul_16bit"
+def check_matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None,
+                       op: str = "matmul_16bit") -> None:  # fmt: skip
     check_float(op, "x", x, 2, (torch.bfloat16, torch.float16))
     check_float(op, "w", w, 2, (x.dtype,))
     (m, k), n = x.shape, w.shape[0]
@@ -84,3 +83,10 @@ def check_matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | Non
     ):
         raise fail(op, f"out must be a {x.dtype} tensor of shape ({m}, {n}) on {x.device} "
                        f"with contiguous rows")  # fmt: skip
+
+
+def check_gate_up(op: str, w: torch.Tensor) -> None:
+    """A fused gate/up projection's weight: its rows are the gate's, then as many of the up's."""
+    if w.shape[0] % 2:
+        raise fail(op, f"the weight must stack the gate's and the up projection's rows (an even "
+                       f"number), got {w.shape[0]} rows")  # fmt: skip

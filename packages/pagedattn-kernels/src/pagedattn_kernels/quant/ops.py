@@ -1,6 +1,8 @@
 """The quantization ops: per-token (per-row) dynamic fp8 quantization of activations, the fp8
 matmul that takes them with per-channel fp8 weights, and that matmul's kernel on 16-bit
-operands (``matmul_16bit``: the engine's bf16 decode batches).
+operands (``matmul_16bit``: the engine's bf16 decode batches); each matmul also with SwiGLU's
+activation in its epilogue (``*_silu_and_mul``: a fused gate/up projection and
+``silu_and_mul`` in one kernel).
 
 It checks its inputs (``checks``), then runs the implementation that fits the tensors' device
 (``pagedattn_kernels.common.resolve_backend``): the Triton kernel (``triton_launch``,
@@ -16,11 +18,18 @@ from pagedattn_kernels.common import FP8_DTYPE, capability, check_fp8_triton, fa
 from pagedattn_kernels.quant import torch_impl, triton_launch
 from pagedattn_kernels.quant.checks import (
     check_fp8_matmul,
+    check_gate_up,
     check_matmul_16bit,
     check_quantize_fp8_per_token,
 )
 
-__all__ = ["fp8_matmul", "matmul_16bit", "quantize_fp8_per_token"]
+__all__ = [
+    "fp8_matmul",
+    "fp8_matmul_silu_and_mul",
+    "matmul_16bit",
+    "matmul_16bit_silu_and_mul",
+    "quantize_fp8_per_token",
+]
 
 
 def quantize_fp8_per_token(
@@ -113,3 +122,88 @@ def matmul_16bit(
     x = x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
     w = w if w.shape[1] <= 1 or w.stride(1) == 1 else w.contiguous()
     return triton_launch.matmul_16bit(x, w, out, config)
+
+
+def fp8_matmul_silu_and_mul(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    fp8_out: bool = False,
+    config: object | None = None,
+    fast_accum: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU's gate/up projection and activation in one kernel: ``silu(y[:, :I]) * y[:, I:]``
+    for ``y = fp8_matmul(xq, x_scale, wq, w_scale)`` (``wq [2 I, K]``: the gate's rows, then
+    the up projection's), in ``out_dtype``: ``[M, I]``; with ``fp8_out``, those rows quantized
+    per token, ``(q [M, I] float8_e4m3fn, scale [M, 1] float32)``, the input of an fp8 down
+    projection.
+
+    The same values as the two ops (and ``quantize_fp8_per_token``) one after the other on the
+    same backend: ``y`` is rounded to ``out_dtype`` and the activation computed from it as
+    ``silu_and_mul`` does. The Triton kernel (``fp8_matmul``'s, GATED) gives each program the
+    gate and up rows of the same products, so the projection, twice the activation's size,
+    is never stored and the activation needs no kernel of its own; with ``fp8_out`` it also
+    keeps each tile's largest magnitude per token, and ``quantize_fp8_tiles_kernel`` then
+    quantizes (a token's scale needs the whole row). Its tiles are ``fp8_matmul``'s for the
+    shape, unsplit."""
+    op = "fp8_matmul_silu_and_mul"
+    check_fp8_matmul(xq, x_scale, wq, w_scale, None, out_dtype, op)
+    check_gate_up(op, wq)
+    if resolve_backend(xq.device, backend) == "torch":
+        return torch_impl.fp8_matmul_silu_and_mul(xq, x_scale, wq, w_scale, out_dtype, fp8_out)
+    check_fp8_triton(op, xq.device)
+    xq = xq if xq.shape[1] <= 1 or xq.stride(1) == 1 else xq.contiguous()
+    wq = wq if wq.shape[1] <= 1 or wq.stride(1) == 1 else wq.contiguous()
+    return _matmul_silu_and_mul(xq, (x_scale.contiguous(), w_scale.contiguous()), wq, out_dtype,
+                                fp8_out, config, fast_accum)  # fmt: skip
+
+
+def matmul_16bit_silu_and_mul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    config: object | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_matmul_silu_and_mul` on 16-bit operands: ``silu(y[:, :I]) * y[:, I:]`` for
+    ``y = matmul_16bit(x, w)`` (``w [2 I, K]``), ``[M, I]`` in x's dtype, by
+    ``matmul_16bit``'s kernel with the activation in its epilogue (the engine's bf16 decode
+    batches: one kernel fewer a layer). The torch path is ``torch.mm`` then the activation."""
+    op = "matmul_16bit_silu_and_mul"
+    check_matmul_16bit(x, w, None, op)
+    check_gate_up(op, w)
+    if resolve_backend(x.device, backend) == "torch":
+        return torch_impl.matmul_16bit_silu_and_mul(x, w)
+    if x.device.type == "cuda" and capability(x.device) < (8, 0):
+        raise fail(op, f"the Triton kernel needs a GPU of compute capability 8.0 or newer "
+                       f"(this one is {capability(x.device)}); use backend='torch'")  # fmt: skip
+    x = x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
+    w = w if w.shape[1] <= 1 or w.stride(1) == 1 else w.contiguous()
+    return _matmul_silu_and_mul(x, None, w, x.dtype, False, config, False)
+
+
+def _matmul_silu_and_mul(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                         w: torch.Tensor, out_dtype: torch.dtype, fp8_out: bool,
+                         config: object | None,
+                         fast_accum: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The Triton path of both ops: the GATED kernel, then with ``fp8_out`` the quantization
+    from its tile maxima."""
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty((m, n // 2), dtype=out_dtype, device=x.device)
+    amax = None
+    if fp8_out:
+        tiles = triton_launch.silu_and_mul_tiles(m, n, x.shape[1], x.device, scales is not None,
+                                                 config, fast_accum)  # fmt: skip
+        amax = torch.empty((m, tiles), dtype=torch.float32, device=x.device)
+    triton_launch.matmul_silu_and_mul(x, scales, w, out, amax, config, fast_accum)
+    if not fp8_out:
+        return out
+    q = torch.empty(out.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    return triton_launch.quantize_fp8_from_maxima(out, amax, q, scale)

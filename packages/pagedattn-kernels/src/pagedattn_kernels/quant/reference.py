@@ -1,7 +1,8 @@
 """Float64-exact references of the quantization ops, written for obviousness: the scale from the
 row's largest magnitude, then each element to its nearest e4m3 value by search over the codes
 (``pagedattn_kernels.cache.reference.nearest_e4m3``), no cast involved; the fp8 matmul as the
-float64 product of the dequantized operands; the 16-bit matmul as the float64 product."""
+float64 product of the dequantized operands; the 16-bit matmul as the float64 product; each
+with SwiGLU's activation as ``silu(gate) * up`` of that float64 product."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import torch
 
 from pagedattn_kernels.cache.reference import nearest_e4m3
 
-__all__ = ["fp8_matmul", "matmul_16bit", "quantize_fp8_per_token"]
+__all__ = [
+    "fp8_matmul",
+    "fp8_matmul_silu_and_mul",
+    "matmul_16bit",
+    "matmul_16bit_silu_and_mul",
+    "quantize_fp8_per_token",
+]
 
 _FP8_MAX = 448.0
 _MIN_SCALE = 1.0 / (448.0 * 512.0)
@@ -45,3 +52,22 @@ def matmul_16bit(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float64 ``x @ w.T``: what the kernels compute, before their float32 sums and the
     output's rounding."""
     return x.to(torch.float64) @ w.to(torch.float64).T
+
+
+def _silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    inter = y.shape[1] // 2
+    gate, up = y[:, :inter], y[:, inter:]
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def fp8_matmul_silu_and_mul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                            w_scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """float64 ``silu(y[:, :I]) * y[:, I:]`` of :func:`fp8_matmul`'s ``y`` (``wq [2 I, K]``):
+    before the kernels' roundings (the projection's, the activation's two) and, for their
+    ``fp8_out``, before the per-token quantization (:func:`quantize_fp8_per_token`)."""
+    return _silu_and_mul(fp8_matmul(xq, x_scale, wq, w_scale))
+
+
+def matmul_16bit_silu_and_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float64 ``silu(y[:, :I]) * y[:, I:]`` of :func:`matmul_16bit`'s ``y``."""
+    return _silu_and_mul(matmul_16bit(x, w))

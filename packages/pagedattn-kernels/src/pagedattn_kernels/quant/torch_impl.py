@@ -41,3 +41,29 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
 def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` by torch's matmul (cuBLAS on a GPU, float32 sums), into ``out``."""
     return torch.mm(x, w.T, out=out)
+
+
+def _silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of a projection ``y [M, 2 I]`` (``silu_and_mul``'s torch path)."""
+    inter = y.shape[1] // 2
+    return torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+
+
+def fp8_matmul_silu_and_mul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                            w_scale: torch.Tensor, out_dtype: torch.dtype,
+                            fp8_out: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`fp8_matmul` into ``out_dtype``, its activation, and with ``fp8_out`` that
+    quantized per token: the three ops one after the other."""
+    y = torch.empty((xq.shape[0], wq.shape[0]), dtype=out_dtype, device=xq.device)
+    a = _silu_and_mul(fp8_matmul(xq, x_scale, wq, w_scale, y))
+    if not fp8_out:
+        return a
+    q = torch.empty(a.shape, dtype=FP8_DTYPE, device=a.device)
+    scale = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
+    return quantize_fp8_per_token(a, q, scale)
+
+
+def matmul_16bit_silu_and_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`matmul_16bit`, then its activation."""
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    return _silu_and_mul(matmul_16bit(x, w, y))

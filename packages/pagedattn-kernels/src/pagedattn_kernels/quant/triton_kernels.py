@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
@@ -208,6 +209,56 @@ def _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym,
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _round(v, like_ptr, ROUND: tl.constexpr):
+    """``v`` (fp32) rounded to the element type of ``like_ptr``, returned in fp32: the fused
+    SiLU kernel's helper (``pagedattn_kernels.fused.triton_kernels._round``; repeated because
+    a kernel module holds its own helpers). 1: the cast; 2: bfloat16's round-to-nearest-even
+    on the bits (the interpreter's cast truncates); 0: none (float32)."""
+    if ROUND == 1:
+        return v.to(like_ptr.dtype.element_ty).to(tl.float32)
+    elif ROUND == 2:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v
+
+
+@triton.jit
+def _store_silu_and_mul(acc, y_ptr, amax_ptr, x_scale_ptr, w_scale_ptr, w_rows, rm, M,
+                        stride_ym, pid_n, inter, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                        SCALED: tl.constexpr, ROUND: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        AMAX: tl.constexpr):  # fmt: skip
+    """GATED's epilogue: ``acc [2 HALF, BLOCK_M]`` holds the gate rows ``j`` (its first HALF
+    rows) and the up rows ``inter + j`` (the next HALF) of this program's HALF products ``j``
+    (weight rows ``w_rows``).
+    Each is scaled and rounded to y's dtype exactly as ``_store_scaled`` stores it, then
+    ``y[t, j] = silu(gate) * up`` exactly as ``silu_and_mul_kernel`` computes it from those
+    stored values (``g / (1 + expf(-g))``, rounded to the dtype before and after the product).
+    AMAX: each token's largest |y| over the tile goes to ``amax[t, pid_n]``, the maxima
+    ``quantize_fp8_tiles_kernel`` takes."""
+    j = pid_n * HALF + tl.arange(0, HALF)
+    j_ok = j < inter
+    if SCALED:
+        acc = acc * tl.load(w_scale_ptr + w_rows)[:, None]
+        acc = acc * tl.load(x_scale_ptr + rm % M)[None, :]
+    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    g, u = tl.split(tl.permute(tl.reshape(acc, [2, HALF, BLOCK_M]), (1, 2, 0)))
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = _round(tl.math.div_rn(g, 1.0 + e), y_ptr, ROUND)
+    y = _round(s * u, y_ptr, ROUND)
+    mask = j_ok[:, None] & (rm < M)[None, :]
+    out = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + j[:, None]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if AMAX:
+        amax = tl.reduce(tl.where(j_ok[:, None], tl.abs(y), 0.0), 0, tl.standard._elementwise_max)
+        tl.store(amax_ptr + rm.to(tl.int64) * tl.num_programs(1) + pid_n, amax, mask=rm < M)
+
+
 # The row count and what follows from it change with every decode batch, the split count
 # with the shape: never specialized on (a serving run would stall to compile a variant at
 # each first "1" or multiple of 16).
@@ -238,6 +289,10 @@ def fp8_matmul_kernel(
     PROMOTE: tl.constexpr,
     PDL: tl.constexpr = False,
     SCALED: tl.constexpr = True,
+    GATED: tl.constexpr = False,
+    ROUND: tl.constexpr = 0,
+    LIBDEVICE: tl.constexpr = False,
+    AMAX: tl.constexpr = False,
 ):
     """``y[M, N] = (xq @ Wq.T) * x_scale[m] * w_scale[n]``, computed as its transpose with the
     operands swapped: ``acc[BLOCK_N, BLOCK_M] = Wq tile [BLOCK_N, BLOCK_K] @ xq tile.T
@@ -275,7 +330,15 @@ def fp8_matmul_kernel(
     accumulates in its own narrower format throughout (cuBLAS's "fast accumulation").
     SCALED False: the same kernel on 16-bit operands (``matmul_16bit`` in the launcher:
     ``y = x @ W.T``, no scales, no PROMOTE), for timing the swapped tiles against cuBLAS's
-    bf16 matmuls at decode batch sizes."""
+    bf16 matmuls at decode batch sizes.
+
+    GATED (no SPLIT): W is a fused gate/up projection ``[2 I, K]`` (N = 2 I) and the kernel
+    stores SwiGLU's activation ``y [M, I] = silu(gate) * up`` instead of the projection
+    (``_store_silu_and_mul``; ROUND and LIBDEVICE as ``silu_and_mul_kernel``'s, AMAX: also
+    each tile's largest magnitude per token into ``part_ptr [M, N blocks]``). A program's
+    BLOCK_N weight rows are the gate rows of its BLOCK_N / 2 products and their up rows, so
+    each product's two factors meet in one tile: the activation needs no kernel of its own
+    and its input, twice its size, is never written."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -285,7 +348,14 @@ def fp8_matmul_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    if GATED:  # gate rows j, then up rows inter + j, of this program's BLOCK_N / 2 products
+        inter = N // 2
+        half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        up = tl.arange(0, BLOCK_N) // (BLOCK_N // 2)
+        w_rows = up * inter + (pid_n * (BLOCK_N // 2) + half) % inter
+    else:
+        w_rows = rn % N
+    w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_ptrs = xq_ptr + rm.to(tl.int64)[None, :] * stride_xm + rk[:, None]  # [K, M] view
     row_ok = (rm < M)[None, :]
     k_lo = pid_k * k_chunk
@@ -308,7 +378,11 @@ def fp8_matmul_kernel(
         else:
             acc = tl.dot(w, x, acc)
     mask = (rn < N)[:, None] & (rm < M)[None, :]
-    if not SPLIT:
+    if GATED:
+        _store_silu_and_mul(acc, y_ptr, part_ptr, x_scale_ptr, w_scale_ptr, w_rows, rm, M,
+                            stride_ym, pid_n, N // 2, BLOCK_N // 2, BLOCK_M, SCALED, ROUND,
+                            LIBDEVICE, AMAX)  # fmt: skip
+    elif not SPLIT:
         _store_scaled(acc, y_ptr, x_scale_ptr, w_scale_ptr, rn, rm, M, N, stride_ym, mask,
                       SCALED)  # fmt: skip
     else:

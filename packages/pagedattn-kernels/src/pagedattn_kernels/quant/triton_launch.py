@@ -230,39 +230,84 @@ def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     return _swapped_matmul(x, None, w, out, config)
 
 
+def matmul_silu_and_mul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                        wq: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None,
+                        config: Fp8MatmulConfig | None,
+                        fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
+    """``fp8_matmul_kernel`` with GATED: ``out [M, I] = silu(gate) * up`` of the fused gate/up
+    projection ``xq @ wq.T`` (``wq [2 I, K]``), scaled by ``scales`` as ``fp8_matmul`` or
+    unscaled (None) as ``matmul_16bit``, and with ``amax`` (``[M, tiles]`` float32, see
+    :func:`silu_and_mul_tiles`) each tile's largest magnitude per token. The tiles are the
+    plain matmul's for the same shape, never split (a product's gate and up are summed in one
+    program)."""
+    return _swapped_matmul(xq, scales, wq, out, config, fast_accum, gated=True, amax=amax)
+
+
+def silu_and_mul_tiles(m: int, n: int, k: int, device: torch.device, scaled: bool,
+                       config: Fp8MatmulConfig | None = None,
+                       fast_accum: bool = False) -> int:  # fmt: skip
+    """How many tiles of products :func:`matmul_silu_and_mul` makes per token for ``wq [n,
+    k]`` and ``m`` rows: the columns of its ``amax``."""
+    cfg = _config(m, n, k, device, scaled, config, fast_accum)
+    return -(-(n // 2) // (cfg.block_n // 2))
+
+
+def _config(m: int, n: int, k: int, device: torch.device, scaled: bool,
+            config: Fp8MatmulConfig | None, fast_accum: bool) -> Fp8MatmulConfig:  # fmt: skip
+    """The tiles of one launch: ``config``, the interpreter's, or the pick for the shape."""
+    if config is not None:
+        return config
+    kernel = kernels_for(device, KERNELS).fp8_matmul_kernel
+    if is_interpreted(kernel):
+        return _INTERPRETER_CONFIG
+    sms = sm_count(device)
+    return pick_config(m, n, k, sms, fast_accum) if scaled else pick_config_16bit(m, n, k, sms)
+
+
+def _round_mode(dtype: torch.dtype, interpreted: bool) -> int:
+    """``_round``'s ROUND for products stored in ``dtype`` (the fused launcher's rule)."""
+    if dtype == torch.float32:
+        return 0
+    return 2 if dtype == torch.bfloat16 and interpreted else 1
+
+
 def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
                     wq: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None,
-                    fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
+                    fast_accum: bool = False, gated: bool = False,
+                    amax: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One launch of ``fp8_matmul_kernel`` (and of its reduce kernel when a split matmul
-    cannot merge in place): scaled by ``scales`` = (x_scale, w_scale), or unscaled (None)."""
+    cannot merge in place): scaled by ``scales`` = (x_scale, w_scale), or unscaled (None);
+    ``gated``: SwiGLU's activation of the projection (:func:`matmul_silu_and_mul`)."""
     m, k = xq.shape
     n = wq.shape[0]
     if m == 0 or n == 0:
         return out
-    if k == 0:
+    if k == 0 and not gated:
         return out.zero_()
     kernels = kernels_for(xq.device, KERNELS)
     interpreted = is_interpreted(kernels.fp8_matmul_kernel)
     sms = sm_count(xq.device)
-    if config is not None or interpreted:
-        cfg = config or _INTERPRETER_CONFIG
-    elif scales is None:
-        cfg = pick_config_16bit(m, n, k, sms)
-    else:
-        cfg = pick_config(m, n, k, sms, fast_accum)
+    cfg = _config(m, n, k, xq.device, scales is not None, config, fast_accum)
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
     # A 128 x 128 float32 accumulator over 4 warps would take 128 registers a thread.
     num_warps = cfg.num_warps if block_m <= 64 or interpreted else max(cfg.num_warps, 8)
-    grid_mn = (-(-m // block_m), -(-n // cfg.block_n))
+    # gated: a tile of block_n weight rows makes block_n / 2 products
+    grid_mn = (-(-m // block_m), -(-(n // 2 if gated else n) // (cfg.block_n // (1 + gated))))
     k_iters = -(-k // cfg.block_k)
     # fp32 partials (split * M * N * 4 bytes) at most 1/8 of the e4m3 weights (N * K)
-    split = cfg.split_k or auto_split(grid_mn[0] * grid_mn[1], k_iters, sms, max(1, k // (32 * m)))
+    if gated:
+        split = 1
+    else:
+        split = cfg.split_k or auto_split(grid_mn[0] * grid_mn[1], k_iters, sms,
+                                          max(1, k // (32 * m)))  # fmt: skip
     k_chunk = -(-k_iters // split) * cfg.block_k
     x_scale, w_scale = (s.reshape(-1) for s in scales) if scales is not None else (out, out)
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     counters = None
     if split > 1 and cfg.merge_here:
         counters = _merge_counters(xq.device, grid_mn[0] * grid_mn[1])
+    if gated and amax is not None:
+        part = amax
     pdl = use_pdl(xq.device)
     kernels.fp8_matmul_kernel[(*grid_mn, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
@@ -270,7 +315,9 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
         PROMOTE=cfg.promote and scales is not None, PDL=pdl, launch_pdl=pdl,
-        SCALED=scales is not None, num_warps=num_warps, num_stages=cfg.num_stages,
+        SCALED=scales is not None, GATED=gated, ROUND=_round_mode(out.dtype, interpreted),
+        LIBDEVICE=not interpreted, AMAX=amax is not None, num_warps=num_warps,
+        num_stages=cfg.num_stages, enable_fp_fusion=not gated,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](

@@ -50,3 +50,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor,
     if bias is not None:
         y += bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def dense_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU's activation of :func:`dense_linear`'s output for a fused gate/up ``weight [2 I,
+    in]`` (no bias): ``silu(gate) * up`` in one kernel with the matmul
+    (``pagedattn_kernels.matmul_16bit_silu_and_mul``) where :func:`dense_linear` would take
+    ``matmul_16bit``; else None, for the caller to run the two ops."""
+    if not takes_matmul_16bit(x, weight):
+        return None
+    y = pagedattn_kernels.matmul_16bit_silu_and_mul(x.reshape(-1, x.shape[-1]), weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0] // 2)

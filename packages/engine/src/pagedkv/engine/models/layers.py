@@ -110,6 +110,33 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Ro
     return F.silu(gate) * up
 
 
+# SwiGLU's gate/up matmul and activation as one kernel for decode batches
+# (``gate_up_silu_and_mul``); 0 keeps them apart, the baseline a benchmark compares against.
+_FUSE_GATE_UP_SILU = os.environ.get("PAGEDKV_FUSED_GATE_UP_SILU", "1") != "0"
+
+
+def gate_up_silu_and_mul(gate_up: nn.Module, x: torch.Tensor | Fp8Rows,
+                         fp8_out: bool = False) -> torch.Tensor | Fp8Rows:  # fmt: skip
+    """SwiGLU's fused gate/up projection and activation: ``silu_and_mul(gate_up(x), fp8_out)``.
+
+    Where the fused kernels run and the projection's rows go to a streaming matmul kernel
+    (decode batches on a GPU: ``ColumnParallelLinear.silu_and_mul_in_kernel``), the
+    activation is made in that kernel's epilogue: each program multiplies the gate and up rows
+    of the same products, so the projection (twice the activation's size) is never stored
+    and the activation kernel is not launched, one kernel fewer a layer in a step of dozens of
+    short ones. The values are the two ops' (the matmul's rounding, then the activation's)."""
+    if _FUSE_GATE_UP_SILU and fused_kernels_enabled(_device_of(x)):
+        in_kernel = getattr(gate_up, "silu_and_mul_in_kernel", None)
+        out = in_kernel(x, fp8_out) if in_kernel is not None else None
+        if out is not None:
+            return out
+    return silu_and_mul(gate_up(x), fp8_out)
+
+
+def _device_of(x: torch.Tensor | Fp8Rows) -> torch.device:
+    return x.q.device if isinstance(x, Fp8Rows) else x.device
+
+
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 

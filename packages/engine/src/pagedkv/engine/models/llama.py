@@ -32,8 +32,8 @@ from pagedkv.engine.models.layers import (
     RotaryAngles,
     RotaryEmbedding,
     check_all_loaded,
+    gate_up_silu_and_mul,
     rope_inv_freq,
-    silu_and_mul,
 )
 from pagedkv.engine.models.parallel_layers import (
     ColumnParallelLinear,
@@ -112,7 +112,7 @@ class LlamaMLP(nn.Module):
         self.fp8_act = False  # the activation kernel quantizes for an fp8 down projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fp8_act))
+        return self.down_proj(gate_up_silu_and_mul(self.gate_up_proj, x, self.fp8_act))
 
 
 class LlamaDecoderLayer(nn.Module):

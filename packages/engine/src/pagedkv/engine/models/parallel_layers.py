@@ -41,9 +41,9 @@ from pagedkv.engine.distributed.communication import (
     tp_rank_size,
 )
 from pagedkv.engine.models.cpu_matmul import packed_linear
-from pagedkv.engine.models.dense_linear import dense_linear
+from pagedkv.engine.models.dense_linear import dense_linear, dense_linear_silu_and_mul
 from pagedkv.engine.models.layers import copy_weight
-from pagedkv.engine.models.quantization import fp8_linear
+from pagedkv.engine.models.quantization import Fp8Rows, fp8_linear, fp8_linear_silu_and_mul
 
 
 def materialize(source: Any) -> torch.Tensor:
@@ -97,6 +97,21 @@ class ColumnParallelLinear(nn.Linear):
         if self.weight_scale is None:
             return dense_linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def silu_and_mul_in_kernel(self, x: torch.Tensor | Fp8Rows,
+                               fp8_out: bool) -> torch.Tensor | Fp8Rows | None:  # fmt: skip
+        """For a fused gate/up projection (two parts of one size, no bias): SwiGLU's
+        ``silu(gate) * up`` of this layer's output, made in the matmul's own kernel where the
+        rows go to one of ``pagedattn_kernels``' streaming matmuls (decode batches on a GPU);
+        else None (the caller runs the layer, then the activation)."""
+        sizes = self.local_sizes
+        if self.bias is not None or len(sizes) != 2 or sizes[0] != sizes[1]:
+            return None
+        if self.weight_scale is not None:
+            return fp8_linear_silu_and_mul(x, self.weight, self.weight_scale, fp8_out)
+        if fp8_out or isinstance(x, Fp8Rows):
+            return None
+        return dense_linear_silu_and_mul(x, self.weight)
 
     def full_shape(self, leaf: str) -> tuple[int, ...]:
         total = sum(self.output_sizes)
