@@ -32,8 +32,10 @@ FULL_SHAPES = [(1, 14336, 4096), (16, 14336, 4096), (37, 14336, 4096), (128, 143
 def _operands(gen: torch.Generator, m: int, inter: int, k: int, device: str):
     x = torch.randn(m, k, generator=gen, device=device)
     x = x * torch.exp(torch.randn(m, 1, generator=gen, device=device))
+    # channels of different scales; products small enough that silu(gate) * up stays
+    # finite in float16 (65,504) at K = 4,096
     w = torch.randn(2 * inter, k, generator=gen, device=device) * k**-0.5
-    w[::7] *= 30.0
+    w[::7] *= 4.0
     xq, xs = pk.quantize_fp8_per_token(x, backend="torch")
     wq, ws = pk.quantize_fp8_per_token(w, backend="torch")
     return x, w, xq, xs, wq, ws.reshape(1, -1)
