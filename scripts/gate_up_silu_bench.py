@@ -76,7 +76,6 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[8, 32, 64, 128])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chain", action="store_true", help="with the down projection after")
-    ap.add_argument("--fp-fusion", action="store_true", help="the fused kernel with FMA contraction")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w16 = [torch.randn(2 * INTER, HIDDEN, device="cuda", generator=gen).mul_(0.02).bfloat16()
@@ -85,10 +84,6 @@ def main() -> None:
     d16 = torch.randn(HIDDEN, INTER, device="cuda", generator=gen).mul_(0.01).bfloat16()
     dq, ds = pk.quantize_fp8_per_token(d16)
     tiny = torch.randn(1, 64, device="cuda", generator=gen)
-    if args.fp_fusion:
-        from pagedattn_kernels.quant import triton_launch
-
-        triton_launch._GATED_FP_FUSION = True
     for m in args.m:
         x16 = torch.randn(m, HIDDEN, device="cuda", generator=gen).bfloat16()
         xq, xs = pk.quantize_fp8_per_token(x16)

@@ -140,8 +140,6 @@ _INTERPRETER_CONFIG = Fp8MatmulConfig(block_n=32, block_k=64, num_stages=1)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-# Diagnostic (scripts/gate_up_silu_bench.py): let the GATED launch contract multiplies and adds.
-_GATED_FP_FUSION = False
 
 
 @functools.lru_cache(maxsize=1024)  # called per matmul: the few shapes of a model, per row count
@@ -319,7 +317,7 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
         PROMOTE=cfg.promote and scales is not None, PDL=pdl, launch_pdl=pdl,
         SCALED=scales is not None, GATED=gated, ROUND=_round_mode(out.dtype, interpreted),
         LIBDEVICE=not interpreted, AMAX=amax is not None, num_warps=num_warps,
-        num_stages=cfg.num_stages, enable_fp_fusion=not gated or _GATED_FP_FUSION,
+        num_stages=cfg.num_stages, enable_fp_fusion=not gated,
     )  # fmt: skip
     if split > 1 and counters is None:
         kernels.fp8_matmul_reduce_kernel[(-(-(m * n) // 1024),)](
