@@ -148,33 +148,6 @@ def takes_fp8_matmul(q: torch.Tensor, weight: torch.Tensor) -> bool:
     return q.device.type != "cuda" or uses_scaled_mm(q, weight)
 
 
-def fp8_linear_silu_and_mul(x: torch.Tensor | Fp8Rows, weight: torch.Tensor,
-                            weight_scale: torch.Tensor,
-                            fp8_out: bool) -> torch.Tensor | Fp8Rows | None:  # fmt: skip
-    """SwiGLU's activation of :func:`fp8_linear`'s output for a fused gate/up ``weight [2 I,
-    in]`` (no bias), ``silu(gate) * up`` in ``x``'s dtype, or quantized per token with
-    ``fp8_out``, in one kernel (``pagedattn_kernels.fp8_matmul_silu_and_mul``); None where
-    ``fp8_linear`` would not take ``fp8_matmul`` (:func:`takes_fp8_matmul`), for the caller to
-    run the two ops. The same values as ``fp8_linear`` then ``silu_and_mul``."""
-    rows = x.q if isinstance(x, Fp8Rows) else x
-    if not takes_fp8_matmul(rows.reshape(-1, rows.shape[-1]), weight):
-        return None
-    if isinstance(x, Fp8Rows):
-        shape, dtype = x.q.shape, x.dtype
-        q, x_scale = x.q.reshape(-1, shape[-1]), x.scale.reshape(-1, 1)
-    else:
-        shape, dtype = x.shape, x.dtype
-        q, x_scale = pagedattn_kernels.quantize_fp8_per_token(x.reshape(-1, shape[-1]))
-    out = pagedattn_kernels.fp8_matmul_silu_and_mul(
-        q, x_scale, weight, weight_scale, out_dtype=dtype, fp8_out=fp8_out,
-        fast_accum=FP8_FAST_ACCUM,
-    )  # fmt: skip
-    lead = shape[:-1]
-    if fp8_out:
-        return Fp8Rows(out[0].reshape(*lead, -1), out[1].reshape(*lead, 1), dtype)
-    return out.reshape(*lead, -1)
-
-
 def fp8_linear(
     x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
