@@ -46,3 +46,11 @@ def test_gpu_only_probes_say_so_on_the_cpu(script):
     done = _run(f"scripts/{script}", "--device", "cpu")
     assert done.returncode == 1
     assert "no CUDA device" in done.stdout
+
+
+def test_gate_up_silu_bench_parses_its_options():
+    """``scripts/gate_up_silu_bench.py`` (the fused gate/up + SwiGLU kernel against the two ops,
+    CUDA only) at least starts and names its options."""
+    done = _run("scripts/gate_up_silu_bench.py", "--help", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--chain" in done.stdout and "--m" in done.stdout
