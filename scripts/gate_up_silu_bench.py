@@ -68,6 +68,11 @@ def _kinds(x16, xq, xs, w16, w8) -> dict:
             pk.fp8_matmul(xq, xs, *w8[i], fast_accum=True)),
         "fp8 fused (fp8 out)": lambda i: pk.fp8_matmul_silu_and_mul(
             xq, xs, *w8[i], fp8_out=True, fast_accum=True),
+        # without the quantization: the fused kernel's own cost against matmul + SiLU
+        "fp8 matmul + silu": lambda i: pk.silu_and_mul(
+            pk.fp8_matmul(xq, xs, *w8[i], fast_accum=True)),
+        "fp8 fused (bf16 out)": lambda i: pk.fp8_matmul_silu_and_mul(
+            xq, xs, *w8[i], fast_accum=True),
     }  # fmt: skip
 
 
