@@ -56,7 +56,10 @@ def dense_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     """SwiGLU's activation of :func:`dense_linear`'s output for a fused gate/up ``weight [2 I,
     in]`` (no bias): ``silu(gate) * up`` in one kernel with the matmul
     (``pagedattn_kernels.matmul_16bit_silu_and_mul``) where :func:`dense_linear` would take
-    ``matmul_16bit``; else None, for the caller to run the two ops."""
+    ``matmul_16bit``; else None, for the caller to run the two ops. On an H200 a bf16
+    Llama-3-8B decode step took 4.63 against 4.67 ms at 8 sequences and 5.50 against 5.59 at
+    32, and the real-ShareGPT run gained 0.25% (e47b26b / 65c42c0, ``scripts/gpu_fp8.sh
+    stepab`` and ``envab``)."""
     if not takes_matmul_16bit(x, weight):
         return None
     y = pagedattn_kernels.matmul_16bit_silu_and_mul(x.reshape(-1, x.shape[-1]), weight)
