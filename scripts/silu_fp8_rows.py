@@ -28,7 +28,7 @@ import sys
 import torch
 import triton.testing
 
-from pagedattn_kernels.common import kernels_for, next_power_of_2, use_pdl
+from pagedattn_kernels.common import kernels_for, next_power_of_2, round_mode, use_pdl
 from pagedattn_kernels.fused import triton_launch as fused
 from pagedattn_kernels.quant.torch_impl import MIN_SCALE
 
@@ -48,7 +48,7 @@ def per_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, warps: int,
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     kernel[(x.shape[0], 1)](
         x, x, x.shape[0], x.stride(0), x.stride(0), q, scale, q.stride(0), MIN_SCALE, x, 1,
-        INTER=INTER, BLOCK=next_power_of_2(INTER), ROWS=1, ROUND=fused._round_mode(x.dtype, False),
+        INTER=INTER, BLOCK=next_power_of_2(INTER), ROWS=1, ROUND=round_mode(x.dtype, False),
         LIBDEVICE=True, QUANT=fused._quant_mode(kernel, x, (q, scale)), AMAX=False, PDL=pdl,
         launch_pdl=pdl, num_warps=warps, enable_fp_fusion=False, **extra,
     )  # fmt: skip

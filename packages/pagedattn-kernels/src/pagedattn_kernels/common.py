@@ -289,6 +289,15 @@ def sm_count(device: torch.device, interpreted: int = 4) -> int:
     return _cuda_sm_count(index)
 
 
+def round_mode(dtype: torch.dtype, interpreted: bool) -> int:
+    """The kernels' ROUND for values stored in ``dtype`` (their ``_round`` helpers): 0 none
+    (float32), 1 the cast, 2 bfloat16's round-to-nearest-even on the bits (the interpreter's
+    cast to bfloat16 truncates)."""
+    if dtype == torch.float32:
+        return 0
+    return 2 if dtype == torch.bfloat16 and interpreted else 1
+
+
 def e4m3_encoder(kernel: object, device: torch.device) -> int:
     """How a kernel that writes e4m3 encodes it (its ``E4M3`` constexpr): 2, the hardware's
     conversion (``cvt.rn.satfinite.e4m3x2.f32``, sm_89 and later: nearest, ties to even, as

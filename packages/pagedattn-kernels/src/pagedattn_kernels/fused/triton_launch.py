@@ -20,6 +20,7 @@ from pagedattn_kernels.common import (
     is_interpreted,
     kernels_for,
     next_power_of_2,
+    round_mode,
     scale_or_unit,
     sm_count,
     use_pdl,
@@ -34,7 +35,6 @@ MAX_HIDDEN = 32768
 #: Largest ``heads x head_dim / 2`` tile the Triton rotary kernel takes per token.
 MAX_ROTARY_TILE = 32768
 
-_ROUND_NONE, _ROUND_CAST, _ROUND_BF16_BITS = 0, 1, 2  # triton_kernels.ROUND_*
 # Interpreted launches pay per operation, not per element: few programs with big tiles.
 _INTERPRETER_TILE = 1 << 16
 #: Rotary grids split over heads (``_rotary_grid``): query heads per program such that a
@@ -42,14 +42,6 @@ _INTERPRETER_TILE = 1 << 16
 ROTARY_SPLIT_PAIRS = 512
 #: ... and the split is taken while the split grid has at most this many programs per SM.
 ROTARY_SPLIT_PER_SM = 4
-
-
-def _round_mode(dtype: torch.dtype, interpreted: bool) -> int:
-    if dtype == torch.float32:
-        return _ROUND_NONE
-    if dtype == torch.bfloat16 and interpreted:
-        return _ROUND_BF16_BITS
-    return _ROUND_CAST
 
 
 def row_view(t: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -114,7 +106,7 @@ def rms_norm(
         x.stride(0), residual.stride(0), out2.stride(0), res_out2.stride(0),
         _fp32_reciprocal(hidden), eps, q, scale, q.stride(0), MIN_SCALE,
         HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, ADD=add,
-        ROUND=_round_mode(x.dtype, interpreted), QUANT=_quant_mode(kernel, x, fp8_out),
+        ROUND=round_mode(x.dtype, interpreted), QUANT=_quant_mode(kernel, x, fp8_out),
         PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
 
@@ -167,7 +159,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     pdl = use_pdl(x.device)
     kernel[grid](
         out2, x, num_rows, x.stride(0), out2.stride(0), q, scale, q.stride(0), MIN_SCALE, out2, 1,
-        INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
+        INTER=inter, BLOCK=block, ROWS=rows, ROUND=round_mode(x.dtype, interpreted),
         LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), AMAX=False,
         PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
@@ -188,7 +180,7 @@ def _silu_and_mul_fp8_tiled(kernel: object, x: torch.Tensor, inter: int, q: torc
     pdl = use_pdl(x.device)
     kernel[(-(-num_rows // rows), chunks)](
         y, x, num_rows, x.stride(0), y.stride(0), y, y, y.stride(0), MIN_SCALE, partial, chunks,
-        INTER=inter, BLOCK=block, ROWS=rows, ROUND=_round_mode(x.dtype, interpreted),
+        INTER=inter, BLOCK=block, ROWS=rows, ROUND=round_mode(x.dtype, interpreted),
         LIBDEVICE=not interpreted, QUANT=0, AMAX=True, PDL=pdl, launch_pdl=pdl, num_warps=4,
         enable_fp_fusion=False,
     )  # fmt: skip
@@ -280,7 +272,7 @@ def rotary_embedding(
         query.stride(0), query.stride(1), k.stride(0), k.stride(1),
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], BLOCK_QH=block_qh, BLOCK_KH=block_kh,
         HALF=half, HALF_PAD=half_pad, ROWS=rows, HAS_KEY=has_key,
-        ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
+        ROUND=round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
         HEAD_SPLITS=head_splits, PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
         enable_fp_fusion=False,
     )  # fmt: skip
@@ -326,7 +318,7 @@ def rotary_embedding_and_cache(
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
         HALF=half, HALF_PAD=half_pad, ROWS=rows, BLOCK_SIZE=key_cache.shape[1],
         KV_FP8=key_cache.dtype == FP8_DTYPE, E4M3=e4m3_encoder(kernel, query.device),
-        ROUND=_round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
+        ROUND=round_mode(query.dtype, interpreted), LIBDEVICE=not interpreted,
         HEAD_SPLITS=head_splits, PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
         enable_fp_fusion=False,
     )  # fmt: skip

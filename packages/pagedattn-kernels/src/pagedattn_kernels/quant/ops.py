@@ -194,12 +194,7 @@ def _matmul_silu_and_mul(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tens
     from its tile maxima."""
     m, n = x.shape[0], w.shape[0]
     out = torch.empty((m, n // 2), dtype=out_dtype, device=x.device)
-    amax = None
-    if fp8_out:
-        tiles = triton_launch.silu_and_mul_tiles(m, n, x.shape[1], x.device, scales is not None,
-                                                 config, fast_accum)  # fmt: skip
-        amax = torch.empty((m, tiles), dtype=torch.float32, device=x.device)
-    triton_launch.matmul_silu_and_mul(x, scales, w, out, amax, config, fast_accum)
+    amax = triton_launch.matmul_silu_and_mul(x, scales, w, out, fp8_out, config, fast_accum)
     if not fp8_out:
         return out
     q = torch.empty(out.shape, dtype=FP8_DTYPE, device=x.device)

@@ -54,20 +54,18 @@ def matmul_16bit(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64) @ w.to(torch.float64).T
 
 
-def _silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    inter = y.shape[1] // 2
-    gate, up = y[:, :inter], y[:, inter:]
-    return gate / (1.0 + torch.exp(-gate)) * up
-
-
 def fp8_matmul_silu_and_mul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                             w_scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """float64 ``silu(y[:, :I]) * y[:, I:]`` of :func:`fp8_matmul`'s ``y`` (``wq [2 I, K]``):
     before the kernels' roundings (the projection's, the activation's two) and, for their
     ``fp8_out``, before the per-token quantization (:func:`quantize_fp8_per_token`)."""
-    return _silu_and_mul(fp8_matmul(xq, x_scale, wq, w_scale))
+    from pagedattn_kernels.fused.reference import silu_and_mul  # it imports this module
+
+    return silu_and_mul(fp8_matmul(xq, x_scale, wq, w_scale))
 
 
 def matmul_16bit_silu_and_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float64 ``silu(y[:, :I]) * y[:, I:]`` of :func:`matmul_16bit`'s ``y``."""
-    return _silu_and_mul(matmul_16bit(x, w))
+    from pagedattn_kernels.fused.reference import silu_and_mul
+
+    return silu_and_mul(matmul_16bit(x, w))

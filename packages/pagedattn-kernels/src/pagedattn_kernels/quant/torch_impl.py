@@ -44,9 +44,10 @@ def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.T
 
 
 def _silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` of a projection ``y [M, 2 I]`` (``silu_and_mul``'s torch path)."""
-    inter = y.shape[1] // 2
-    return torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+    """``silu_and_mul``'s torch path on a projection ``y [M, 2 I]``."""
+    from pagedattn_kernels.fused.torch_impl import silu_and_mul  # it imports this module
+
+    return silu_and_mul(y, None)
 
 
 def fp8_matmul_silu_and_mul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,

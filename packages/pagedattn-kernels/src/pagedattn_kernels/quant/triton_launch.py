@@ -17,6 +17,7 @@ from pagedattn_kernels.common import (
     is_interpreted,
     kernels_for,
     next_power_of_2,
+    round_mode,
     sm_count,
     use_pdl,
 )
@@ -231,25 +232,16 @@ def matmul_16bit(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
 
 
 def matmul_silu_and_mul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
-                        wq: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None,
+                        wq: torch.Tensor, out: torch.Tensor, amax: bool,
                         config: Fp8MatmulConfig | None,
-                        fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
+                        fast_accum: bool = False) -> torch.Tensor | None:  # fmt: skip
     """``fp8_matmul_kernel`` with GATED: ``out [M, I] = silu(gate) * up`` of the fused gate/up
     projection ``xq @ wq.T`` (``wq [2 I, K]``), scaled by ``scales`` as ``fp8_matmul`` or
-    unscaled (None) as ``matmul_16bit``, and with ``amax`` (``[M, tiles]`` float32, see
-    :func:`silu_and_mul_tiles`) each tile's largest magnitude per token. The tiles are the
-    plain matmul's for the same shape, never split (a product's gate and up are summed in one
-    program)."""
+    unscaled (None) as ``matmul_16bit``. With ``amax``, returns each tile's largest magnitude
+    per token (``[M, tiles]`` float32, for ``quantize_fp8_from_maxima``), else None. The
+    tiles are the plain matmul's for the same shape, never split (a product's gate and up
+    are summed in one program)."""
     return _swapped_matmul(xq, scales, wq, out, config, fast_accum, gated=True, amax=amax)
-
-
-def silu_and_mul_tiles(m: int, n: int, k: int, device: torch.device, scaled: bool,
-                       config: Fp8MatmulConfig | None = None,
-                       fast_accum: bool = False) -> int:  # fmt: skip
-    """How many tiles of products :func:`matmul_silu_and_mul` makes per token for ``wq [n,
-    k]`` and ``m`` rows: the columns of its ``amax``."""
-    cfg = _config(m, n, k, device, scaled, config, fast_accum)
-    return -(-(n // 2) // (cfg.block_n // 2))
 
 
 def _config(m: int, n: int, k: int, device: torch.device, scaled: bool,
@@ -264,24 +256,18 @@ def _config(m: int, n: int, k: int, device: torch.device, scaled: bool,
     return pick_config(m, n, k, sms, fast_accum) if scaled else pick_config_16bit(m, n, k, sms)
 
 
-def _round_mode(dtype: torch.dtype, interpreted: bool) -> int:
-    """``_round``'s ROUND for products stored in ``dtype`` (the fused launcher's rule)."""
-    if dtype == torch.float32:
-        return 0
-    return 2 if dtype == torch.bfloat16 and interpreted else 1
-
-
 def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
                     wq: torch.Tensor, out: torch.Tensor, config: Fp8MatmulConfig | None,
                     fast_accum: bool = False, gated: bool = False,
-                    amax: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    amax: bool = False) -> torch.Tensor | None:  # fmt: skip
     """One launch of ``fp8_matmul_kernel`` (and of its reduce kernel when a split matmul
     cannot merge in place): scaled by ``scales`` = (x_scale, w_scale), or unscaled (None);
-    ``gated``: SwiGLU's activation of the projection (:func:`matmul_silu_and_mul`)."""
+    ``gated``: SwiGLU's activation of the projection (:func:`matmul_silu_and_mul`, which
+    returns its tile maxima with ``amax``)."""
     m, k = xq.shape
     n = wq.shape[0]
     if m == 0 or n == 0:
-        return out
+        return (torch.empty(m, 0, device=xq.device) if amax else None) if gated else out
     if k == 0 and not gated:
         return out.zero_()
     kernels = kernels_for(xq.device, KERNELS)
@@ -306,8 +292,8 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
     counters = None
     if split > 1 and cfg.merge_here:
         counters = _merge_counters(xq.device, grid_mn[0] * grid_mn[1])
-    if gated and amax is not None:
-        part = amax
+    if gated and amax:
+        part = torch.empty(m, grid_mn[1], dtype=torch.float32, device=xq.device)
     pdl = use_pdl(xq.device)
     kernels.fp8_matmul_kernel[(*grid_mn, split)](
         out, part, counters if counters is not None else part, xq, x_scale, wq, w_scale,
@@ -315,8 +301,8 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         MERGE_HERE=counters is not None, EVEN_K=k % cfg.block_k == 0, UPCAST=interpreted,
         PROMOTE=cfg.promote and scales is not None, PDL=pdl, launch_pdl=pdl,
-        SCALED=scales is not None, GATED=gated, ROUND=_round_mode(out.dtype, interpreted),
-        LIBDEVICE=not interpreted, AMAX=amax is not None, num_warps=num_warps,
+        SCALED=scales is not None, GATED=gated, ROUND=round_mode(out.dtype, interpreted),
+        LIBDEVICE=not interpreted, AMAX=gated and amax, num_warps=num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=not gated,
     )  # fmt: skip
     if split > 1 and counters is None:
@@ -324,4 +310,6 @@ def _swapped_matmul(xq: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
             out, part, x_scale, w_scale, m * n, n, split, out.stride(0), BLOCK=1024,
             PDL=pdl, launch_pdl=pdl, SCALED=scales is not None,
         )  # fmt: skip
+    if gated:
+        return part if amax else None
     return out
