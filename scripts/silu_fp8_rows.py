@@ -1,4 +1,5 @@
-"""SiLU-and-multiply to fp8 rows at prefill sizes: the tiled pair against a program per row.
+"""SiLU-and-multiply to fp8 rows at prefill sizes: the tiled pair against a program per row
+and against whole rows in two passes through a scratch row.
 
 In an fp8 prefill pass of 16,384 tokens (Llama-3-8B on an H200, 21de09d) SiLU-and-multiply and
 its quantization took 12.7 + 8.2 ms of the pass's 211 ms of GPU time, where the bf16 model's
@@ -13,9 +14,14 @@ every variant writes what the tiled pair writes. Bandwidth: the minimal bytes (t
 and up rows read, the e4m3 rows and scales written) over the copy bandwidth.
 
 On an H200 (7231965, ``docs/performance/gpu_runs/2026-12-03c/``) the best per-row variant (32
-warps) was 1-3% faster than the tiled pair, the others slower: the tiled pair stays.
+warps) was 1-3% faster than the tiled pair, the others slower: the tiled pair stayed.
 
-    python scripts/silu_fp8_rows.py --output-json OUT.json     # on a GPU
+``two_pass_*`` (``--two-pass``): ``silu_and_mul_fp8_rows_kernel``, a persistent grid of small
+programs, each taking whole rows in steps of ``b`` columns: the products to its own scratch row
+with their largest magnitude, then read back (from L2) and quantized; ``w`` warps, ``p``
+programs an SM, ``s`` pipeline stages of the first pass.
+
+    python scripts/silu_fp8_rows.py [--two-pass] --output-json OUT.json     # on a GPU
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ INTER = 14336
 FP8 = torch.float8_e4m3fn
 # (warps, maxnreg) of the per-row kernel; (16, None) is the shipped one
 PER_ROW = [(16, None), (16, 64), (16, 80), (32, None), (32, 32), (8, None), (8, 128)]
+# (block, warps, programs per SM, stages) of the two-pass kernel; the first is the shipped one
+TWO_PASS = [(2048, 4, 4, 1), (2048, 4, 5, 1), (2048, 4, 2, 1), (1024, 4, 4, 1), (1024, 4, 8, 1),
+            (1024, 4, 8, 2), (2048, 4, 4, 2), (2048, 8, 2, 1), (2048, 8, 4, 1), (1024, 2, 16, 1),
+            (4096, 8, 2, 1)]
 
 
 def per_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, warps: int,
@@ -65,6 +75,8 @@ def copy_bandwidth() -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    ap.add_argument("--two-pass", action="store_true",
+                    help="the two-pass variants instead of the per-row ones")
     ap.add_argument("--output-json", default="")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -79,11 +91,17 @@ def main() -> int:
         ref_s = torch.empty(m, 1, dtype=torch.float32, device="cuda")
         nbytes = x.numel() * 2 + m * INTER + 4 * m
         variants = {"tiled": lambda q, s, x=x: fused.silu_and_mul(x, x, INTER, fp8_out=(q, s),
-                                                                   tiled=True)}  # fmt: skip
-        for warps, reg in PER_ROW:
-            variants[f"per_row_w{warps}_r{reg}"] = lambda q, s, x=x, w=warps, r=reg: per_row(
-                x, q, s, w, r
-            )
+                                                                   method="tiled")}  # fmt: skip
+        if args.two_pass:
+            for b, w, p, st in TWO_PASS:
+                variants[f"two_pass_b{b}_w{w}_p{p}_s{st}"] = (
+                    lambda q, s, x=x, b=b, w=w, p=p, st=st: fused._silu_and_mul_fp8_two_pass(
+                        x, INTER, q, s, block=b, num_warps=w, per_sm=p, stages=st))  # fmt: skip
+        else:
+            for warps, reg in PER_ROW:
+                variants[f"per_row_w{warps}_r{reg}"] = lambda q, s, x=x, w=warps, r=reg: per_row(
+                    x, q, s, w, r
+                )
         variants["tiled"](ref_q, ref_s)
         for name, fn in variants.items():
             q = torch.empty_like(ref_q)

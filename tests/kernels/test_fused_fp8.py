@@ -167,26 +167,45 @@ def test_equals_the_unfused_composition(target, seed, op, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_silu_and_mul_fp8_tiled_and_per_row(target, seed, dtype):
-    """Both Triton ways to quantize SiLU-and-multiply's rows give the unfused composition's
+def test_silu_and_mul_fp8_every_method(target, seed, dtype):
+    """Every Triton way to quantize SiLU-and-multiply's rows gives the unfused composition's
     bits: tiled (the products and each tile's largest magnitude per row, then the tiles
-    quantized from those maxima; here with rows split into several tiles, the last partial)
-    and a program per row."""
+    quantized from those maxima; here with rows split into several tiles, the last partial),
+    a program per row, and whole rows in two passes through a scratch row (with fewer
+    programs than rows, so that programs take several rows in turn, and steps of columns
+    that leave the last one partial)."""
     if target.backend != "triton":
-        pytest.skip("the two launches are Triton's")
+        pytest.skip("the launches are Triton's")
     from pagedattn_kernels.fused import triton_launch
     from pagedattn_kernels.quant import triton_launch as quant_launch
 
     rows, width = (300, 14336) if target.full else (6, 5000)
     x, residual, weight, eps = _inputs(target, seed, rows, width, dtype, silu=True)
     want = _unfused("silu_and_mul_fp8", x, residual, weight, eps, target.backend)
-    for tiled in (True, False):
+    runs = {m: lambda q, s, m=m: triton_launch.silu_and_mul(x, x, width, fp8_out=(q, s), method=m)
+            for m in triton_launch.SILU_FP8_METHODS}  # fmt: skip
+    for block, per_sm in ((1024, 1), (4096, 2), (None, None)):
+        runs[f"two_pass block={block} per_sm={per_sm}"] = (
+            lambda q, s, b=block, p=per_sm: triton_launch._silu_and_mul_fp8_two_pass(
+                x, width, q, s, block=b, per_sm=p))  # fmt: skip
+    for name, run in runs.items():
         q = torch.empty(rows, width, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, device=x.device)
-        triton_launch.silu_and_mul(x, x, width, fp8_out=(q, scale), tiled=tiled)
-        what = f"tiled={tiled} {rows}x{width} {dtype} seed={seed}"
-        _assert_same_fp8((q, scale), want, what)
+        run(q, scale)
+        _assert_same_fp8((q, scale), want, f"{name} {rows}x{width} {dtype} seed={seed}")
     assert quant_launch.tile_shape(rows, width, not target.full)[1] < width  # several tiles
+
+
+def test_silu_and_mul_fp8_unknown_method():
+    """A method that does not exist is refused, and nothing is written."""
+    from pagedattn_kernels.fused import triton_launch
+
+    x = torch.ones(2, 8)
+    q = torch.zeros(2, 4, dtype=FP8)
+    scale = torch.zeros(2, 1)
+    with pytest.raises(ValueError, match="method must be one of"):
+        triton_launch.silu_and_mul(x, x, 4, fp8_out=(q, scale), method="fast")
+    assert not q.view(torch.uint8).any() and not scale.any()
 
 
 # --------------------------------------------------------------------------- shapes and strides

@@ -45,7 +45,8 @@ from pagedattn_kernels.quant import triton_launch as quant
 from pagedattn_kernels.sampling import triton_kernels as sampling_kernels
 from pagedattn_kernels.sampling import triton_launch as sampling
 
-FUSED_KERNELS = ("rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel", "rotary_and_cache_kernel")
+FUSED_KERNELS = ("rms_norm_kernel", "silu_and_mul_kernel", "silu_and_mul_fp8_rows_kernel",
+                 "rotary_kernel", "rotary_and_cache_kernel")  # fmt: skip
 # SASS opcodes (with their width suffix where it matters) that --sass counts.
 SASS_OPS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDS", "LDS.U8", "LDS.U16", "LDS.64", "LDS.128",
             "LDGSTS", "LDG", "STS", "F2FP", "F2F", "PRMT", "BAR", "SHFL", "MUFU", "STL", "LDL")  # fmt: skip
@@ -219,6 +220,7 @@ def main() -> None:
     # ... and with programmatic dependent launch, as on an sm_90 GPU (common.use_pdl).
     for launcher in (attention, cache, fused, quant, sampling):
         launcher.use_pdl = lambda device: True
+    fused.sm_count = lambda device: 132  # an H200's SMs: the persistent grids' size
 
     if args.sampling:
         _sampling_variants(args.quick)
@@ -368,10 +370,10 @@ def _fp8_variants() -> None:
         x, w = torch.empty(8, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
         fp8_out = (torch.empty(8, 4096, dtype=kc.dtype), torch.empty(8, 1))
         fused.rms_norm(x, x, x, x, w, 1e-5, 4096, fp8_out=fp8_out)
-        for tiled in (False, True):
+        for method in fused.SILU_FP8_METHODS:
             fused.silu_and_mul(x, torch.empty(8, 2 * 14336, dtype=dtype), 14336,
                                fp8_out=(torch.empty(8, 14336, dtype=kc.dtype), torch.empty(8, 1)),
-                               tiled=tiled)  # fmt: skip
+                               method=method)  # fmt: skip
 
 
 def _report() -> None:

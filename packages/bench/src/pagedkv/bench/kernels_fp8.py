@@ -400,8 +400,9 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
     """Per-token quantization of a decode step's activations, a program per row against
     tiled (``pagedattn_kernels.quant.triton_launch.quantize_fp8_per_token``'s ``tiled``), at
     Llama-3-8B's widths (4,096: the output projection's input; 14,336: the down projection's),
-    and at 14,336 SiLU-and-multiply quantizing its own output both ways against the plain
-    kernel followed by the default quantization. Bandwidth in the bytes each needs at least
+    and at 14,336 SiLU-and-multiply quantizing its own output each way (a program per row,
+    tiled, two passes over whole rows) against the plain kernel followed by the default
+    quantization. Bandwidth in the bytes each needs at least
     (16-bit in, e4m3 out; SiLU reads gate and up); ``same``: tiled gives the per-row bits."""
     from pagedattn_kernels.fused import triton_launch as fused_launch
     from pagedattn_kernels.quant import triton_launch as quant_launch
@@ -426,25 +427,29 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
             fns = {"per_row": per_row, "tiled": tiled}
             if cols == widths[-1]:
                 g = torch.randn(m, 2 * cols, generator=gen, device=dev).to(dtype)
-                silu_out = {k: _fp8_rows(m, cols, dev) for k in ("per_row", "tiled")}
+                silu_out = {k: _fp8_rows(m, cols, dev) for k in ("per_row", "tiled", "two_pass")}
 
                 def silu_per_row(g=g, o=silu_out["per_row"], cols=cols) -> None:
-                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=False)
+                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, method="row")
 
                 def silu_tiled(g=g, o=silu_out["tiled"], cols=cols) -> None:
-                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, tiled=True)
+                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, method="tiled")
+
+                def silu_two_pass(g=g, o=silu_out["two_pass"], cols=cols) -> None:
+                    fused_launch.silu_and_mul(g, g, cols, fp8_out=o, method="two_pass")
 
                 def silu_then_quant(g=g) -> Any:
                     return pk.quantize_fp8_per_token(pk.silu_and_mul(g))
 
                 fns.update(silu_per_row=silu_per_row, silu_tiled=silu_tiled,
-                           silu_then_quant=silu_then_quant)  # fmt: skip
+                           silu_two_pass=silu_two_pass, silu_then_quant=silu_then_quant)  # fmt: skip
             for fn in fns.values():
                 fn()
             row: dict[str, Any] = {"m": m, "cols": cols,
                                    "same": _same_fp8(outs["per_row"], outs["tiled"])}  # fmt: skip
             if "silu_tiled" in fns:
-                row["silu_same"] = _same_fp8(silu_out["per_row"], silu_out["tiled"])
+                row["silu_same"] = (_same_fp8(silu_out["per_row"], silu_out["tiled"])
+                                    and _same_fp8(silu_out["two_pass"], silu_out["tiled"]))  # fmt: skip
             for name, fn in fns.items():
                 seconds = _time_graph(fn, dev) or _time(fn, dev)
                 need = m * cols * (2 * x.element_size() if name.startswith("silu") else
@@ -455,11 +460,13 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
             if "silu_tiled_us" in row:
                 row["silu_tiled_vs_per_row"] = row["silu_per_row_us"] / row["silu_tiled_us"]
                 row["silu_tiled_vs_unfused"] = row["silu_then_quant_us"] / row["silu_tiled_us"]
+                row["silu_two_pass_vs_tiled"] = row["silu_tiled_us"] / row["silu_two_pass_us"]
             print(f"quant M={m:<5d} cols={cols:<6d} per row {row['per_row_us']:7.1f} us "
                   f"({100 * row['per_row_bw_frac']:4.1f}%)  tiled {row['tiled_us']:7.1f} us "
                   f"({100 * row['tiled_bw_frac']:4.1f}%)  same: {row['same']}"
                   + (f" | silu fp8 per row {row['silu_per_row_us']:7.1f} tiled "
-                     f"{row['silu_tiled_us']:7.1f} silu+quant {row['silu_then_quant_us']:7.1f} us"
+                     f"{row['silu_tiled_us']:7.1f} two-pass {row['silu_two_pass_us']:7.1f} "
+                     f"silu+quant {row['silu_then_quant_us']:7.1f} us"
                      f" same: {row['silu_same']}" if "silu_tiled_us" in row else ""),
                   flush=True)  # fmt: skip
             rows.append(row)

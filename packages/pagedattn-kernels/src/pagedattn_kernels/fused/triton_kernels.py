@@ -176,6 +176,19 @@ def rms_norm_kernel(
                  mask=mask)  # fmt: skip
 
 
+@triton.jit
+def _silu_mul(g, u, like_ptr, ROUND: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``silu(g) * u`` as torch computes it, in fp32 holding model-dtype values: ``g / (1 +
+    expf(-g))`` rounded to the dtype of ``like_ptr``, then the product, rounded again."""
+    g = g.to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = _round(tl.math.div_rn(g, 1.0 + e), like_ptr, ROUND)
+    return _round(s * u.to(tl.float32), like_ptr, ROUND)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def silu_and_mul_kernel(
     out_ptr,
@@ -217,14 +230,9 @@ def silu_and_mul_kernel(
     mask = row_ok[:, None] & (cols < INTER)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     gate_ptrs = x_ptr + r64 * stride_x + cols[None, :]
-    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_ptrs + INTER, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    s = _round(tl.math.div_rn(g, 1.0 + e), out_ptr, ROUND)
-    y = _round(s * u, out_ptr, ROUND)
+    g = tl.load(gate_ptrs, mask=mask, other=0.0)
+    u = tl.load(gate_ptrs + INTER, mask=mask, other=0.0)
+    y = _silu_mul(g, u, out_ptr, ROUND, LIBDEVICE)
     if QUANT:
         _store_fp8_rows(y, q_ptr, scale_ptr, rows, row_ok, r64, cols, mask, stride_q, min_scale,
                         QUANT)  # fmt: skip
@@ -235,6 +243,69 @@ def silu_and_mul_kernel(
             amax = tl.reduce(tl.abs(y), 1, tl.standard._elementwise_max)
             tl.store(partial_ptr + rows.to(tl.int64) * chunks + tl.program_id(1), amax,
                      mask=row_ok)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def silu_and_mul_fp8_rows_kernel(
+    x_ptr,
+    scratch_ptr,
+    q_ptr,
+    scale_ptr,
+    num_rows,
+    stride_x,
+    stride_q,
+    min_scale,
+    INTER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    E4M3: tl.constexpr,
+    STAGES: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
+):
+    """SiLU-and-multiply quantized per token to e4m3, whole rows in one kernel, each row in
+    two passes of BLOCK columns: the products (``_silu_mul``) go to this program's scratch
+    row (``scratch_ptr [programs, INTER]``, the model dtype) while their largest magnitude is
+    taken; then they are read back, quantized with the row's scale and stored, as
+    ``_store_fp8_rows`` does. The same bits as ``silu_and_mul_kernel`` with QUANT, or with
+    AMAX then ``quantize_fp8_tiles_kernel``.
+
+    Why: the scale needs the whole row's maximum before the first value can be quantized. A
+    program holding a row of 14,336 in registers runs one program an SM, whose load, SiLU
+    and store phases do not overlap; two tiled kernels instead write every product to memory
+    and read it back. Here the round trip is to a scratch row that each program reuses for
+    every row it takes (program p takes rows p, p + programs, ...), so it stays in L2, and the
+    programs are small enough to run several an SM. STAGES: the first pass's loads issued
+    that many steps ahead (Triton's software pipeline, through shared memory)."""
+    if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    scratch = scratch_ptr + pid.to(tl.int64) * INTER
+    for row in range(pid.to(tl.int64), num_rows, tl.num_programs(0)):  # 64-bit offsets
+        gate = x_ptr + row * stride_x
+        amax = tl.full([BLOCK], 0.0, tl.float32)
+        for c in tl.range(0, INTER, BLOCK, num_stages=STAGES):
+            ok = c + cols < INTER
+            g = tl.load(gate + c + cols, mask=ok, other=0.0)
+            u = tl.load(gate + INTER + c + cols, mask=ok, other=0.0)
+            y = _silu_mul(g, u, scratch_ptr, ROUND, LIBDEVICE)
+            tl.store(scratch + c + cols, y.to(scratch_ptr.dtype.element_ty), mask=ok)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(
+            tl.math.div_rn(tl.reduce(amax, 0, tl.standard._elementwise_max), 448.0), min_scale
+        )
+        tl.store(scale_ptr + row, scale)
+        recip = tl.math.div_rn(1.0, scale)
+        tl.debug_barrier()  # the scratch row written by every thread before any reads it back
+        out = q_ptr + row * stride_q
+        for c in range(0, INTER, BLOCK):
+            ok = c + cols < INTER
+            y = tl.load(scratch + c + cols, mask=ok, other=0.0).to(tl.float32)
+            v = tl.minimum(tl.maximum(_quotient(y, scale, recip), -448.0), 448.0)
+            tl.store(out + c + cols, _e4m3(v, E4M3), mask=ok)
+        tl.debug_barrier()  # read back by every thread before the next row overwrites it
 
 
 @triton.jit

@@ -11,6 +11,7 @@ rounds twice.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -118,27 +119,39 @@ def _quant_mode(kernel: object, x: torch.Tensor, fp8_out: object) -> int:
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
                  fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 tiled: bool | None = None) -> None:  # fmt: skip
+                 method: str | None = None) -> None:  # fmt: skip
     """``silu_and_mul_kernel``: ``x [rows, 2 * inter]`` (gate, up) -> ``out [..., inter]``, or
     with ``fp8_out = (q [rows, inter] e4m3, scale [rows, 1] float32)`` quantized per token
-    there (``out`` then only gives the dtype and is not written), tiled or a program per row.
+    there (``out`` then only gives the dtype and is not written) by ``method``
+    (``SILU_FP8_METHODS``): a program per row (``"row"``), two tiled kernels (``"tiled"``) or
+    whole rows in two passes through a scratch row (``"two_pass"``,
+    ``silu_and_mul_fp8_rows_kernel``).
 
-    ``tiled`` None: tiled when compiled. On an H200 (Llama-3-8B's 14,336, CUDA graphs, dda1cca)
-    tiled took 3.7 / 10.1 / 19.7 / 37.4 us at 16 / 256 / 512 / 1,024 rows against 6.5 / 12.6 /
-    24.5 / 50.9 for a program per row (98 registers x 512 threads: one program per SM, whose
-    load, reduction and store phases do not overlap) and 4.3 / 10.2 / 21.3 / 44.2 for the plain
-    kernel then the quantization (``python -m pagedkv.bench.kernels --gemm-only``,
-    ``quant[]``). A program per row in the interpreter, where programs cost most."""
+    ``method`` None: a program per row in the interpreter, where programs cost most; compiled,
+    tiled below ``SILU_FP8_TWO_PASS_MIN_ROWS`` rows and two passes from there. On an H200
+    (Llama-3-8B's 14,336, CUDA graphs, dda1cca) tiled took 3.7 / 10.1 / 19.7 / 37.4 us at 16 /
+    256 / 512 / 1,024 rows against 6.5 / 12.6 / 24.5 / 50.9 for a program per row (98
+    registers x 512 threads: one program per SM, whose load, reduction and store phases do
+    not overlap) and 4.3 / 10.2 / 21.3 / 44.2 for the plain kernel then the quantization
+    (``python -m pagedkv.bench.kernels --gemm-only``, ``quant[]``); at 16,384 rows, a prefill
+    pass's, tiled took 652 us, 30% of the copy bandwidth in the bytes it must move."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
     kernel = kernels_for(x.device, KERNELS).silu_and_mul_kernel
     interpreted = is_interpreted(kernel)
     if fp8_out is not None:
-        if tiled is None:
-            tiled = not interpreted
-        if tiled:
+        if method is None:
+            method = ("row" if interpreted else
+                      "two_pass" if num_rows >= SILU_FP8_TWO_PASS_MIN_ROWS else "tiled")  # fmt: skip
+        if method not in SILU_FP8_METHODS:
+            raise ValueError(f"silu_and_mul: method must be one of {SILU_FP8_METHODS}, "
+                             f"got {method!r}")  # fmt: skip
+        if method == "tiled":
             _silu_and_mul_fp8_tiled(kernel, x, inter, *fp8_out)
+            return
+        if method == "two_pass":
+            _silu_and_mul_fp8_two_pass(x, inter, *fp8_out)
             return
     out2 = row_view(out, inter) if fp8_out is None else x
     num_warps = 4
@@ -162,6 +175,45 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
         INTER=inter, BLOCK=block, ROWS=rows, ROUND=round_mode(x.dtype, interpreted),
         LIBDEVICE=not interpreted, QUANT=_quant_mode(kernel, x, fp8_out), AMAX=False,
         PDL=pdl, launch_pdl=pdl, num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+#: The ways ``silu_and_mul`` makes fp8 rows.
+SILU_FP8_METHODS = ("row", "tiled", "two_pass")
+#: Rows from which compiled SiLU-and-multiply to fp8 takes two passes over whole rows
+#: (``silu_and_mul``); ``PAGEDATTN_SILU_FP8_TWO_PASS_MIN_ROWS`` (read at import) moves it,
+#: for A/B runs.
+SILU_FP8_TWO_PASS_MIN_ROWS = int(os.environ.get("PAGEDATTN_SILU_FP8_TWO_PASS_MIN_ROWS", "1024"))
+#: ``silu_and_mul_fp8_rows_kernel``'s tiles: columns a step, warps, programs per SM (the
+#: persistent grid, each with its scratch row: 4 x 132 x 28 KB = 15 MB at Llama-3-8B's 14,336
+#: on an H200, within its 50 MB of L2; sm_90 compiles 82 registers a thread, so at most five
+#: such programs fit an SM) and software-pipeline stages of the first pass.
+TWO_PASS_BLOCK, TWO_PASS_WARPS, TWO_PASS_PER_SM, TWO_PASS_STAGES = 2048, 4, 4, 1
+
+
+def _silu_and_mul_fp8_two_pass(x: torch.Tensor, inter: int, q: torch.Tensor, scale: torch.Tensor,
+                               block: int | None = None, num_warps: int | None = None,
+                               per_sm: int | None = None,
+                               stages: int | None = None) -> None:  # fmt: skip
+    """``silu_and_mul_fp8_rows_kernel`` over ``x [rows, 2 * inter]`` into ``q`` and ``scale``:
+    a persistent grid of ``per_sm`` programs an SM (at most one per row), ``block`` columns a
+    step (the interpreter: the whole row, in one program per row)."""
+    kernel = kernels_for(x.device, KERNELS).silu_and_mul_fp8_rows_kernel
+    num_rows = x.shape[0]
+    interpreted = is_interpreted(kernel)
+    if interpreted:
+        block = block or min(next_power_of_2(inter), _INTERPRETER_TILE)
+        programs = min(num_rows, per_sm or num_rows)
+    else:
+        block = block or min(TWO_PASS_BLOCK, next_power_of_2(inter))
+        programs = min(num_rows, sm_count(x.device) * (per_sm or TWO_PASS_PER_SM))
+    scratch = torch.empty(programs, inter, dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x.device)
+    kernel[(programs,)](
+        x, scratch, q, scale, num_rows, x.stride(0), q.stride(0), MIN_SCALE, INTER=inter,
+        BLOCK=block, ROUND=round_mode(x.dtype, interpreted), LIBDEVICE=not interpreted,
+        E4M3=e4m3_encoder(kernel, x.device), STAGES=stages or TWO_PASS_STAGES, PDL=pdl,
+        launch_pdl=pdl, num_warps=num_warps or TWO_PASS_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
 
 
