@@ -261,6 +261,7 @@ def silu_and_mul_fp8_rows_kernel(
     LIBDEVICE: tl.constexpr,
     E4M3: tl.constexpr,
     STAGES: tl.constexpr = 1,
+    EVICT: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """SiLU-and-multiply quantized per token to e4m3, whole rows in one kernel, each row in
@@ -276,7 +277,9 @@ def silu_and_mul_fp8_rows_kernel(
     and read it back. Here the round trip is to a scratch row that each program reuses for
     every row it takes (program p takes rows p, p + programs, ...), so it stays in L2, and the
     programs are small enough to run several an SM. STAGES: the first pass's loads issued
-    that many steps ahead (Triton's software pipeline, through shared memory)."""
+    that many steps ahead (Triton's software pipeline, through shared memory). EVICT: L2
+    eviction hints, the scratch rows kept (``evict_last``) and the rows read and written once
+    let go first (``evict_first``)."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -288,10 +291,19 @@ def silu_and_mul_fp8_rows_kernel(
         amax = tl.full([BLOCK], 0.0, tl.float32)
         for c in tl.range(0, INTER, BLOCK, num_stages=STAGES):
             ok = c + cols < INTER
-            g = tl.load(gate + c + cols, mask=ok, other=0.0)
-            u = tl.load(gate + INTER + c + cols, mask=ok, other=0.0)
+            if EVICT:
+                g = tl.load(gate + c + cols, mask=ok, other=0.0, eviction_policy="evict_first")
+                u = tl.load(gate + INTER + c + cols, mask=ok, other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+            else:
+                g = tl.load(gate + c + cols, mask=ok, other=0.0)
+                u = tl.load(gate + INTER + c + cols, mask=ok, other=0.0)
             y = _silu_mul(g, u, scratch_ptr, ROUND, LIBDEVICE)
-            tl.store(scratch + c + cols, y.to(scratch_ptr.dtype.element_ty), mask=ok)
+            if EVICT:
+                tl.store(scratch + c + cols, y.to(scratch_ptr.dtype.element_ty), mask=ok,
+                         eviction_policy="evict_last")  # fmt: skip
+            else:
+                tl.store(scratch + c + cols, y.to(scratch_ptr.dtype.element_ty), mask=ok)
             amax = tl.maximum(amax, tl.abs(y))
         scale = tl.maximum(
             tl.math.div_rn(tl.reduce(amax, 0, tl.standard._elementwise_max), 448.0), min_scale
@@ -302,9 +314,15 @@ def silu_and_mul_fp8_rows_kernel(
         out = q_ptr + row * stride_q
         for c in range(0, INTER, BLOCK):
             ok = c + cols < INTER
-            y = tl.load(scratch + c + cols, mask=ok, other=0.0).to(tl.float32)
-            v = tl.minimum(tl.maximum(_quotient(y, scale, recip), -448.0), 448.0)
-            tl.store(out + c + cols, _e4m3(v, E4M3), mask=ok)
+            if EVICT:
+                y = tl.load(scratch + c + cols, mask=ok, other=0.0, eviction_policy="evict_last")
+            else:
+                y = tl.load(scratch + c + cols, mask=ok, other=0.0)
+            v = tl.minimum(tl.maximum(_quotient(y.to(tl.float32), scale, recip), -448.0), 448.0)
+            if EVICT:
+                tl.store(out + c + cols, _e4m3(v, E4M3), mask=ok, eviction_policy="evict_first")
+            else:
+                tl.store(out + c + cols, _e4m3(v, E4M3), mask=ok)
         tl.debug_barrier()  # read back by every thread before the next row overwrites it
 
 

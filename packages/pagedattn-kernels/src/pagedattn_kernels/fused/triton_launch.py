@@ -188,13 +188,14 @@ SILU_FP8_TWO_PASS_MIN_ROWS = int(os.environ.get("PAGEDATTN_SILU_FP8_TWO_PASS_MIN
 #: persistent grid, each with its scratch row: 4 x 132 x 28 KB = 15 MB at Llama-3-8B's 14,336
 #: on an H200, within its 50 MB of L2; sm_90 compiles 82 registers a thread, so at most five
 #: such programs fit an SM) and software-pipeline stages of the first pass.
-TWO_PASS_BLOCK, TWO_PASS_WARPS, TWO_PASS_PER_SM, TWO_PASS_STAGES = 2048, 4, 4, 1
+TWO_PASS_BLOCK, TWO_PASS_WARPS, TWO_PASS_PER_SM, TWO_PASS_STAGES = 2048, 8, 4, 1
+TWO_PASS_EVICT = False
 
 
 def _silu_and_mul_fp8_two_pass(x: torch.Tensor, inter: int, q: torch.Tensor, scale: torch.Tensor,
                                block: int | None = None, num_warps: int | None = None,
-                               per_sm: int | None = None,
-                               stages: int | None = None) -> None:  # fmt: skip
+                               per_sm: int | None = None, stages: int | None = None,
+                               evict: bool | None = None) -> None:  # fmt: skip
     """``silu_and_mul_fp8_rows_kernel`` over ``x [rows, 2 * inter]`` into ``q`` and ``scale``:
     a persistent grid of ``per_sm`` programs an SM (at most one per row), ``block`` columns a
     step (the interpreter: the whole row, in one program per row)."""
@@ -212,7 +213,8 @@ def _silu_and_mul_fp8_two_pass(x: torch.Tensor, inter: int, q: torch.Tensor, sca
     kernel[(programs,)](
         x, scratch, q, scale, num_rows, x.stride(0), q.stride(0), MIN_SCALE, INTER=inter,
         BLOCK=block, ROUND=round_mode(x.dtype, interpreted), LIBDEVICE=not interpreted,
-        E4M3=e4m3_encoder(kernel, x.device), STAGES=stages or TWO_PASS_STAGES, PDL=pdl,
+        E4M3=e4m3_encoder(kernel, x.device), STAGES=stages or TWO_PASS_STAGES,
+        EVICT=TWO_PASS_EVICT if evict is None else evict, PDL=pdl,
         launch_pdl=pdl, num_warps=num_warps or TWO_PASS_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
 
