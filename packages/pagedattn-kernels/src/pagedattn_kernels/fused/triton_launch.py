@@ -134,7 +134,8 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
     registers x 512 threads: one program per SM, whose load, reduction and store phases do
     not overlap) and 4.3 / 10.2 / 21.3 / 44.2 for the plain kernel then the quantization
     (``python -m pagedkv.bench.kernels --gemm-only``, ``quant[]``); at 16,384 rows, a prefill
-    pass's, tiled took 652 us, 30% of the copy bandwidth in the bytes it must move."""
+    pass's, tiled took 652 us, 30% of the copy bandwidth in the bytes it must move, and two
+    passes 473 us (``SILU_FP8_TWO_PASS_MIN_ROWS`` has the figures)."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return
@@ -182,12 +183,18 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, inter: int,
 SILU_FP8_METHODS = ("row", "tiled", "two_pass")
 #: Rows from which compiled SiLU-and-multiply to fp8 takes two passes over whole rows
 #: (``silu_and_mul``); ``PAGEDATTN_SILU_FP8_TWO_PASS_MIN_ROWS`` (read at import) moves it,
-#: for A/B runs.
-SILU_FP8_TWO_PASS_MIN_ROWS = int(os.environ.get("PAGEDATTN_SILU_FP8_TWO_PASS_MIN_ROWS", "1024"))
+#: for A/B runs. On an H200 (Llama-3-8B's 14,336, CUDA graphs, ``scripts/silu_fp8_rows.py
+#: --two-pass``, 4453a04) two passes took 8.4 / 16.6 / 31.9 / 120.4 / 473.5 us at 256 / 512 /
+#: 1,024 / 4,096 / 16,384 rows against 10.1 / 21.8 / 42.8 / 163.8 / 654.6 for the tiled pair;
+#: at 128 rows and fewer the tiled pair's many short programs win (5.9 against 8.9 us at 128
+#: with four-warp programs, 90d0ab0).
+SILU_FP8_TWO_PASS_MIN_ROWS = int(os.environ.get("PAGEDATTN_SILU_FP8_TWO_PASS_MIN_ROWS", "256"))
 #: ``silu_and_mul_fp8_rows_kernel``'s tiles: columns a step, warps, programs per SM (the
-#: persistent grid, each with its scratch row: 4 x 132 x 28 KB = 15 MB at Llama-3-8B's 14,336
-#: on an H200, within its 50 MB of L2; sm_90 compiles 82 registers a thread, so at most five
-#: such programs fit an SM) and software-pipeline stages of the first pass.
+#: persistent grid, each with its scratch row), software-pipeline stages of the first pass and
+#: L2 eviction hints. The H200 sweeps of 90d0ab0 and 4453a04 (``gpu_runs/2026-12-04d/``):
+#: 2,048 columns and eight warps (54 registers a thread on sm_90, so four programs an SM)
+#: were the fastest or within 3% of it at every row count; four warps took 633 us at 16,384
+#: rows, two pipeline stages were slower, the eviction hints made no steady difference.
 TWO_PASS_BLOCK, TWO_PASS_WARPS, TWO_PASS_PER_SM, TWO_PASS_STAGES = 2048, 8, 4, 1
 TWO_PASS_EVICT = False
 
