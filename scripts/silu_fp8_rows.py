@@ -16,6 +16,11 @@ and up rows read, the e4m3 rows and scales written) over the copy bandwidth.
 On an H200 (7231965, ``docs/performance/gpu_runs/2026-12-03c/``) the best per-row variant (32
 warps) was 1-3% faster than the tiled pair, the others slower: the tiled pair stayed.
 
+On an H200 (4453a04, ``docs/performance/gpu_runs/2026-12-04d/``) the two-pass kernel of
+2,048 columns and eight warps, four programs an SM, took 473.5 us at 16,384 rows against the
+tiled pair's 654.6, 120.4 against 163.8 at 4,096, 8.4 against 10.1 at 256: it became the
+default from 256 rows.
+
 ``two_pass_*`` (``--two-pass``): ``silu_and_mul_fp8_rows_kernel``, a persistent grid of small
 programs, each taking whole rows in steps of ``b`` columns: the products to its own scratch row
 with their largest magnitude, then read back (from L2) and quantized; ``w`` warps, ``p``
