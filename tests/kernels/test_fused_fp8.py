@@ -172,8 +172,8 @@ def test_silu_and_mul_fp8_every_method(target, seed, dtype):
     bits: tiled (the products and each tile's largest magnitude per row, then the tiles
     quantized from those maxima; here with rows split into several tiles, the last partial),
     a program per row, and whole rows in two passes through a scratch row (with fewer
-    programs than rows, so that programs take several rows in turn, steps of columns that
-    leave the last one partial, with and without the L2 eviction hints)."""
+    programs than rows, so that programs take several rows in turn, and steps of columns that
+    leave the last one partial)."""
     if target.backend != "triton":
         pytest.skip("the launches are Triton's")
     from pagedattn_kernels.fused import triton_launch
@@ -184,10 +184,10 @@ def test_silu_and_mul_fp8_every_method(target, seed, dtype):
     want = _unfused("silu_and_mul_fp8", x, residual, weight, eps, target.backend)
     runs = {m: lambda q, s, m=m: triton_launch.silu_and_mul(x, x, width, fp8_out=(q, s), method=m)
             for m in triton_launch.SILU_FP8_METHODS}  # fmt: skip
-    for block, per_sm, evict in ((1024, 1, False), (4096, 2, True), (None, None, None)):
-        runs[f"two_pass block={block} per_sm={per_sm} evict={evict}"] = (
-            lambda q, s, b=block, p=per_sm, e=evict: triton_launch._silu_and_mul_fp8_two_pass(
-                x, width, q, s, block=b, per_sm=p, evict=e))  # fmt: skip
+    for block, per_sm in ((1024, 1), (4096, 2), (None, None)):
+        runs[f"two_pass block={block} per_sm={per_sm}"] = (
+            lambda q, s, b=block, p=per_sm: triton_launch._silu_and_mul_fp8_two_pass(
+                x, width, q, s, block=b, per_sm=p))  # fmt: skip
     for name, run in runs.items():
         q = torch.empty(rows, width, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, device=x.device)

@@ -260,8 +260,6 @@ def silu_and_mul_fp8_rows_kernel(
     ROUND: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     E4M3: tl.constexpr,
-    STAGES: tl.constexpr = 1,
-    EVICT: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """SiLU-and-multiply quantized per token to e4m3, whole rows in one kernel, each row in
@@ -279,10 +277,7 @@ def silu_and_mul_fp8_rows_kernel(
     it takes (program p takes rows p, p + programs, ...); the programs are small enough to run
     several an SM, so one's SiLU overlaps another's loads. On an H200 at 16,384 rows (a
     prefill pass) 473 against 655 us for the tiled pair (``triton_launch``'s
-    ``SILU_FP8_TWO_PASS_MIN_ROWS``). STAGES: the first pass's loads issued
-    that many steps ahead (Triton's software pipeline, through shared memory). EVICT: L2
-    eviction hints, the scratch rows kept (``evict_last``) and the rows read and written once
-    let go first (``evict_first``)."""
+    ``SILU_FP8_TWO_PASS_MIN_ROWS``)."""
     if PDL:  # programmatic dependent launch (pagedattn_kernels.common.use_pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -292,21 +287,12 @@ def silu_and_mul_fp8_rows_kernel(
     for row in range(pid.to(tl.int64), num_rows, tl.num_programs(0)):  # 64-bit offsets
         gate = x_ptr + row * stride_x
         amax = tl.full([BLOCK], 0.0, tl.float32)
-        for c in tl.range(0, INTER, BLOCK, num_stages=STAGES):
+        for c in range(0, INTER, BLOCK):
             ok = c + cols < INTER
-            if EVICT:
-                g = tl.load(gate + c + cols, mask=ok, other=0.0, eviction_policy="evict_first")
-                u = tl.load(gate + INTER + c + cols, mask=ok, other=0.0,
-                            eviction_policy="evict_first")  # fmt: skip
-            else:
-                g = tl.load(gate + c + cols, mask=ok, other=0.0)
-                u = tl.load(gate + INTER + c + cols, mask=ok, other=0.0)
+            g = tl.load(gate + c + cols, mask=ok, other=0.0)
+            u = tl.load(gate + INTER + c + cols, mask=ok, other=0.0)
             y = _silu_mul(g, u, scratch_ptr, ROUND, LIBDEVICE)
-            if EVICT:
-                tl.store(scratch + c + cols, y.to(scratch_ptr.dtype.element_ty), mask=ok,
-                         eviction_policy="evict_last")  # fmt: skip
-            else:
-                tl.store(scratch + c + cols, y.to(scratch_ptr.dtype.element_ty), mask=ok)
+            tl.store(scratch + c + cols, y.to(scratch_ptr.dtype.element_ty), mask=ok)
             amax = tl.maximum(amax, tl.abs(y))
         scale = tl.maximum(
             tl.math.div_rn(tl.reduce(amax, 0, tl.standard._elementwise_max), 448.0), min_scale
@@ -317,15 +303,9 @@ def silu_and_mul_fp8_rows_kernel(
         out = q_ptr + row * stride_q
         for c in range(0, INTER, BLOCK):
             ok = c + cols < INTER
-            if EVICT:
-                y = tl.load(scratch + c + cols, mask=ok, other=0.0, eviction_policy="evict_last")
-            else:
-                y = tl.load(scratch + c + cols, mask=ok, other=0.0)
-            v = tl.minimum(tl.maximum(_quotient(y.to(tl.float32), scale, recip), -448.0), 448.0)
-            if EVICT:
-                tl.store(out + c + cols, _e4m3(v, E4M3), mask=ok, eviction_policy="evict_first")
-            else:
-                tl.store(out + c + cols, _e4m3(v, E4M3), mask=ok)
+            y = tl.load(scratch + c + cols, mask=ok, other=0.0).to(tl.float32)
+            v = tl.minimum(tl.maximum(_quotient(y, scale, recip), -448.0), 448.0)
+            tl.store(out + c + cols, _e4m3(v, E4M3), mask=ok)
         tl.debug_barrier()  # read back by every thread before the next row overwrites it
 
 

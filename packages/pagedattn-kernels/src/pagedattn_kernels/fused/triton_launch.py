@@ -189,20 +189,19 @@ SILU_FP8_METHODS = ("row", "tiled", "two_pass")
 #: at 128 rows and fewer the tiled pair's many short programs win (5.9 against 8.9 us at 128
 #: with four-warp programs, 90d0ab0).
 SILU_FP8_TWO_PASS_MIN_ROWS = int(os.environ.get("PAGEDATTN_SILU_FP8_TWO_PASS_MIN_ROWS", "256"))
-#: ``silu_and_mul_fp8_rows_kernel``'s tiles: columns a step, warps, programs per SM (the
-#: persistent grid, each with its scratch row), software-pipeline stages of the first pass and
-#: L2 eviction hints. The H200 sweeps of 90d0ab0 and 4453a04 (``gpu_runs/2026-12-04d/``):
-#: 2,048 columns and eight warps (54 registers a thread on sm_90, so four programs an SM)
-#: were the fastest or within 3% of it at every row count; four warps took 633 us at 16,384
-#: rows, two pipeline stages were slower, the eviction hints made no steady difference.
-TWO_PASS_BLOCK, TWO_PASS_WARPS, TWO_PASS_PER_SM, TWO_PASS_STAGES = 2048, 8, 4, 1
-TWO_PASS_EVICT = False
+#: ``silu_and_mul_fp8_rows_kernel``'s tiles: columns a step, warps and programs per SM (the
+#: persistent grid, each program with its scratch row). The H200 sweeps of 90d0ab0 and 4453a04
+#: (``gpu_runs/2026-12-04d/``): 2,048 columns and eight warps (54 registers a thread on sm_90,
+#: so four programs an SM) were the fastest or within 3% of it at every row count; four warps
+#: took 633 us at 16,384 rows. Two software-pipeline stages in the first pass were slower
+#: (the kernel runs one), and L2 eviction hints (the scratch rows kept, the rest let go first)
+#: made no steady difference: both options were measured there and removed.
+TWO_PASS_BLOCK, TWO_PASS_WARPS, TWO_PASS_PER_SM = 2048, 8, 4
 
 
 def _silu_and_mul_fp8_two_pass(x: torch.Tensor, inter: int, q: torch.Tensor, scale: torch.Tensor,
                                block: int | None = None, num_warps: int | None = None,
-                               per_sm: int | None = None, stages: int | None = None,
-                               evict: bool | None = None) -> None:  # fmt: skip
+                               per_sm: int | None = None) -> None:  # fmt: skip
     """``silu_and_mul_fp8_rows_kernel`` over ``x [rows, 2 * inter]`` into ``q`` and ``scale``:
     a persistent grid of ``per_sm`` programs an SM (at most one per row), ``block`` columns a
     step (the interpreter: the whole row, in one program per row)."""
@@ -220,9 +219,8 @@ def _silu_and_mul_fp8_two_pass(x: torch.Tensor, inter: int, q: torch.Tensor, sca
     kernel[(programs,)](
         x, scratch, q, scale, num_rows, x.stride(0), q.stride(0), MIN_SCALE, INTER=inter,
         BLOCK=block, ROUND=round_mode(x.dtype, interpreted), LIBDEVICE=not interpreted,
-        E4M3=e4m3_encoder(kernel, x.device), STAGES=stages or TWO_PASS_STAGES,
-        EVICT=TWO_PASS_EVICT if evict is None else evict, PDL=pdl,
-        launch_pdl=pdl, num_warps=num_warps or TWO_PASS_WARPS, enable_fp_fusion=False,
+        E4M3=e4m3_encoder(kernel, x.device), PDL=pdl, launch_pdl=pdl,
+        num_warps=num_warps or TWO_PASS_WARPS, num_stages=1, enable_fp_fusion=False,
     )  # fmt: skip
 
 
