@@ -204,7 +204,9 @@ def _silu_and_mul_fp8_two_pass(x: torch.Tensor, inter: int, q: torch.Tensor, sca
                                per_sm: int | None = None) -> None:  # fmt: skip
     """``silu_and_mul_fp8_rows_kernel`` over ``x [rows, 2 * inter]`` into ``q`` and ``scale``:
     a persistent grid of ``per_sm`` programs an SM (at most one per row), ``block`` columns a
-    step (the interpreter: the whole row, in one program per row)."""
+    step. In the interpreter, which has no SMs: ``per_sm`` programs in all (default: one per
+    row), and the whole row a step unless ``block`` says otherwise (tests use both to make
+    programs take several rows and rows take several steps)."""
     kernel = kernels_for(x.device, KERNELS).silu_and_mul_fp8_rows_kernel
     num_rows = x.shape[0]
     interpreted = is_interpreted(kernel)
