@@ -402,8 +402,9 @@ def bench_quant(setup: Setup, copy_bw: float, gen: torch.Generator) -> list[dict
     Llama-3-8B's widths (4,096: the output projection's input; 14,336: the down projection's),
     and at 14,336 SiLU-and-multiply quantizing its own output each way (a program per row,
     tiled, two passes over whole rows) against the plain kernel followed by the default
-    quantization. Bandwidth in the bytes each needs at least
-    (16-bit in, e4m3 out; SiLU reads gate and up); ``same``: tiled gives the per-row bits."""
+    quantization. Bandwidth in the bytes each needs at least (16-bit in, e4m3 out; SiLU reads
+    gate and up); ``same``: tiled gives the per-row bits; ``silu_same``: so do SiLU's three
+    ways."""
     from pagedattn_kernels.fused import triton_launch as fused_launch
     from pagedattn_kernels.quant import triton_launch as quant_launch
 
