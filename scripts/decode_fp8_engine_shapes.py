@@ -104,8 +104,13 @@ def context_lengths(batch: int, context: int, how: str, seed: int) -> list[int]:
 
 
 def parse_configs(text: str) -> list:
-    """``DecodeConfig``s from TILE_N/WARPS/STAGES[/PER_SM] items, comma-separated."""
-    return [D(*map(int, c.split("/"))) for c in text.split(",") if c]
+    """``DecodeConfig``s from TILE_N/WARPS/STAGES[/PER_SM][+FLAG...] items, comma-separated;
+    each FLAG a boolean field of ``DecodeConfig`` set true, e.g. ``128/4/2/3+one_loop``."""
+    configs = []
+    for item in filter(None, text.split(",")):
+        numbers, *flags = item.split("+")
+        configs.append(D(*map(int, numbers.split("/")), **dict.fromkeys(flags, True)))
+    return configs
 
 
 def bound(context: int) -> int:
@@ -193,7 +198,8 @@ def main() -> int:
                     "SPLITS[1:], e.g. 8,16 (up to SPLIT_MAX_BATCH sequences); 'none': only "
                     "the automatic count")
     ap.add_argument("--configs", default="", help="fp8 tiles to try instead of CONFIGS: "
-                    "TILE_N/WARPS/STAGES[/PER_SM] triples, comma-separated (e.g. 64/2/4,32/2/3)")
+                    "TILE_N/WARPS/STAGES[/PER_SM][+FLAG] items, comma-separated (e.g. 64/2/4,32/1/3/9, "
+                    "128/4/2+one_loop: a boolean field of DecodeConfig set)")
     ap.add_argument("--bf16-configs", default="", help="bfloat16 tiles to try instead of "
                     "BF16_CONFIGS, as --configs")
     ap.add_argument("--automatic-configs", action="store_true",

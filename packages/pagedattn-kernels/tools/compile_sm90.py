@@ -2,7 +2,8 @@
 without a GPU, and print each variant's registers, spills and shared memory.
 
 Catches front-end errors (and Triton-version differences) before any GPU time is spent, and
-shows whether a tile configuration spills. Usage (from the repo root):
+shows whether a tile configuration spills, and how many of its programs an SM holds
+(``per_sm``, the count the launchers size their grids by). Usage (from the repo root):
 
     .venv/bin/python packages/pagedattn-kernels/tools/compile_sm90.py [--quick]
 
@@ -38,6 +39,7 @@ from pagedattn_kernels.attention import triton_kernels as attention_kernels
 from pagedattn_kernels.attention import triton_launch as attention
 from pagedattn_kernels.cache import triton_kernels as cache_kernels
 from pagedattn_kernels.cache import triton_launch as cache
+from pagedattn_kernels.common import programs_per_sm
 from pagedattn_kernels.fused import triton_kernels as fused_kernels
 from pagedattn_kernels.fused import triton_launch as fused
 from pagedattn_kernels.quant import triton_kernels as quant_kernels
@@ -80,6 +82,9 @@ class _Warmup:
             t = time.perf_counter()
             ck = self.kernel.warmup(*args, grid=grid, **kwargs)
             info = _resources(ck)
+            if "regs" in info:  # what DecodeConfig.per_sm and its kind must match
+                info["per_sm"] = programs_per_sm(info["regs"], info["shared"],
+                                                 kwargs.get("num_warps", 4))  # fmt: skip
             info["compile_s"] = round(time.perf_counter() - t, 2)
             consts = {k: v for k, v in kwargs.items() if k.isupper() or k.startswith("num_")}
             dtype = next((str(a.dtype) for a in args if isinstance(a, torch.Tensor)), "?")
@@ -379,7 +384,7 @@ def _fp8_variants() -> None:
 def _report() -> None:
     print(f"triton {triton.__version__}: compiled {len(RESULTS)} variants for sm_90")
     for name, consts, info in RESULTS:
-        keep = ("regs", "stack", "shared", "wgmma", "div_full", "compile_s")
+        keep = ("regs", "stack", "shared", "per_sm", "wgmma", "div_full", "compile_s")
         short = {k: info[k] for k in keep if k in info}
         print(f"{name:26s} {short} {consts}")
         if "sass" in info:

@@ -29,6 +29,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
@@ -287,6 +288,38 @@ def sm_count(device: torch.device, interpreted: int = 4) -> int:
         return interpreted
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_sm_count(index)
+
+
+@dataclass(frozen=True, slots=True)
+class SmLimits:
+    """What one SM holds of resident programs (CUDA's occupancy limits). The defaults are
+    sm_90's (H100, H200): 64K 32-bit registers, allocated to warps in units of 256; 228 KB of
+    shared memory, of which the runtime reserves 1 KB per program; 64 warps; 32 programs."""
+
+    registers: int = 65536
+    register_unit: int = 256
+    shared_bytes: int = 228 * 1024
+    shared_reserved: int = 1024
+    warps: int = 64
+    programs: int = 32
+
+
+def programs_per_sm(registers: int, shared: int, num_warps: int,
+                    limits: SmLimits = SmLimits()) -> int:  # fmt: skip
+    """How many programs of a compiled kernel (``registers`` a thread, ``shared`` bytes of
+    shared memory, ``num_warps`` warps) an SM runs at once: the tightest of its register,
+    shared-memory, warp and program limits.
+
+    The launchers size split counts and decode plans by such a count (``DecodeConfig.per_sm``);
+    when a compiler change moves a kernel's registers the count moves with them, so the
+    configurations' counts are checked against this on the GPU (``tests/kernels``) and printed
+    by ``tools/compile_sm90.py``."""
+    if num_warps <= 0:
+        raise ValueError(f"programs_per_sm: num_warps must be positive, got {num_warps}")
+    warp_registers = -(-max(registers, 1) * 32 // limits.register_unit) * limits.register_unit
+    by_registers = limits.registers // warp_registers // num_warps
+    by_shared = limits.shared_bytes // (shared + limits.shared_reserved)
+    return min(by_registers, by_shared, limits.warps // num_warps, limits.programs)
 
 
 def round_mode(dtype: torch.dtype, interpreted: bool) -> int:
