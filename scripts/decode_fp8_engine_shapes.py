@@ -104,12 +104,14 @@ def context_lengths(batch: int, context: int, how: str, seed: int) -> list[int]:
 
 
 def parse_configs(text: str) -> list:
-    """``DecodeConfig``s from TILE_N/WARPS/STAGES[/PER_SM][+FLAG...] items, comma-separated;
-    each FLAG a boolean field of ``DecodeConfig`` set true, e.g. ``128/4/2/3+one_loop``."""
+    """``DecodeConfig``s from TILE_N/WARPS/STAGES[/PER_SM][+FIELD[=INT]...] items,
+    comma-separated; each FIELD a field of ``DecodeConfig`` set true or to INT, e.g.
+    ``128/4/2/3+one_loop+saturate_per_sm=2``."""
     configs = []
     for item in filter(None, text.split(",")):
         numbers, *flags = item.split("+")
-        configs.append(D(*map(int, numbers.split("/")), **dict.fromkeys(flags, True)))
+        fields = {k: int(v) if v else True for k, _, v in (f.partition("=") for f in flags)}
+        configs.append(D(*map(int, numbers.split("/")), **fields))
     return configs
 
 

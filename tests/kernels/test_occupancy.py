@@ -5,8 +5,9 @@ The decode launcher sizes its flash-decoding split and its plans' lanes by
 ``DecodeConfig.per_sm``. Nothing ties that number to the compiled kernel: when a kernel change
 or a new Triton moves its registers, the number can go stale, and the grid is then sized for
 the wrong count of program slots. (It did: the 16-bit kernel went from 190 to 128 registers a
-thread, three programs an SM where two had fit, while ``per_sm`` said two.) The GPU test
-compiles every configuration the launcher picks for Llama-3-8B's heads and checks the number.
+thread, three programs an SM where two had fit, while ``per_sm`` said two, and 64 sequences
+decoded 10-15% slower.) The GPU test compiles every configuration the launcher picks for
+Llama-3-8B's heads and checks that its occupancy is still the one ``per_sm`` was measured at.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ class _Kept:
         return launch
 
 
+#: How many programs of each configuration the launcher picks an SM holds on sm_90 (Triton
+#: 3.6, Llama-3-8B heads), as its ``per_sm`` was measured against: a kernel or compiler
+#: change that moves this must re-measure ``per_sm``. Where ``per_sm`` is lower, measurement
+#: chose it (``decode_config``'s docstring, ``FP8_ONE_WARP``'s comment).
+FITS = {"16-bit": 3, "16-bit planned": 3, "fp8 wide": 2, "fp8 narrow": 4, "fp8 one warp": 9,
+        "fp8 one warp planned": 9}  # fmt: skip
+
+
 def _shipped_configs(launch, dtype, fp8):
     """(what, config, planned) for the configurations ``decode_config`` picks at Llama-3-8B's
     heads: 16-bit caches, and fp8 ones at each of their pair counts."""
@@ -88,7 +97,9 @@ def _shipped_configs(launch, dtype, fp8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
-def test_decode_configs_per_sm_match_the_compiled_kernel(fp8, monkeypatch):
+def test_decode_configs_per_sm_against_the_compiled_kernel(fp8, monkeypatch):
+    """Each configuration's compiled variants (split or not, by a plan) fit ``FITS`` programs
+    an SM, and its ``per_sm`` is no more than that."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability() != (9, 0):
@@ -122,7 +133,8 @@ def test_decode_configs_per_sm_match_the_compiled_kernel(fp8, monkeypatch):
         assert recording.compiled, what
         for ck in recording.compiled:
             fits = programs_per_sm(ck.n_regs, ck.metadata.shared, cfg.num_warps)
-            if fits != cfg.per_sm:
-                wrong.append(f"{what} {cfg}: {ck.n_regs} registers, {ck.metadata.shared} B "
-                             f"of shared memory: {fits} programs an SM")  # fmt: skip
+            if fits != FITS[what] or cfg.per_sm > fits:
+                wrong.append(f"{what} (per_sm {cfg.per_sm}, measured at {FITS[what]} an SM): "
+                             f"{ck.n_regs} registers, {ck.metadata.shared} B of shared "
+                             f"memory: {fits} programs an SM")  # fmt: skip
     assert not wrong, "\n".join(wrong)

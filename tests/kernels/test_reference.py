@@ -4,6 +4,8 @@ flash-decoding split choice."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedattn_kernels import reference
@@ -83,7 +85,11 @@ def test_fp8_decode_tiles_by_pairs():
                for pairs in (FP8_PLANNED_ONE_WARP_PAIRS - 1, FP8_PLANNED_ONE_WARP_PAIRS, 300)}
     assert planned[FP8_PLANNED_ONE_WARP_PAIRS - 1].tile_n == 128  # 1-7 sequences: wide
     assert planned[FP8_PLANNED_ONE_WARP_PAIRS] == planned[300] == FP8_ONE_WARP
-    assert decode_config(128, bf16, num_pairs=128, planned=True) == decode_config(128, bf16)
+    # 16-bit: the same tiles by a plan, whose lanes are two programs an SM where the split
+    # count is sized for the three that fit
+    by_plan, alone = decode_config(128, bf16, num_pairs=128, planned=True), decode_config(128, bf16)
+    assert (alone.per_sm, alone.saturate_per_sm, by_plan.per_sm) == (3, 2, 2)
+    assert dataclasses.replace(by_plan, per_sm=3, saturate_per_sm=2) == alone
     assert decode_config(256, bf16, kv_dtype=fp8, num_pairs=4096).tile_n == 64  # head dim 256
     assert decode_config(128, bf16, interpreted=True, kv_dtype=fp8, num_pairs=4096).num_stages == 1
 
@@ -109,3 +115,25 @@ def test_split_choice():
     assert choose_num_splits(4, 8, 256, 132) == 1
     assert choose_num_splits(0, 8, 4096, 132) == 1
     assert choose_num_splits(1, 8, 32768, 132, per_sm=4) == 66
+
+
+def test_split_choice_by_whole_tiles_and_saturation():
+    """The 16-bit kernel's counts (three programs an SM, two enough to saturate, 128-token
+    tiles), each measured best on an H200 (``gpu_runs/2026-12-04e/splits_bf16_*.log``)."""
+    def splits(num_seqs, context):
+        return choose_num_splits(num_seqs, 8, context, 132, per_sm=3, saturate_per_sm=2,
+                                 tile_n=128)  # fmt: skip
+
+    # one wave at three an SM would be 384 programs: two an SM (256) read as fast
+    assert splits(16, 4096) == splits(16, 2048) == 2
+    assert splits(8, 4096) == 4
+    # more than one wave: the fullest waves, as without saturate_per_sm
+    assert splits(32, 4096) == splits(32, 2048) == 3
+    assert splits(64, 4096) == splits(64, 1024) == 2
+    assert splits(48, 4096) == 1
+    # only counts the grid can have: 1 x 32k is never split into 99 partitions of 331
+    # tokens (86 of 384 tokens), and 32 partitions of 1,024 fill two an SM
+    assert splits(1, 32768) == 32
+    assert _partition(32768, 32, 128) == (1024, 32)
+    # without saturate_per_sm and with one-token tiles: the counts as before
+    assert choose_num_splits(16, 8, 4096, 132, per_sm=3) == 3

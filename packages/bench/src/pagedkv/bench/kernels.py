@@ -434,9 +434,9 @@ def _sweep_decode(
     q = q.to(setup.dtype)
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim * q.element_size()
-    auto = to.choose_num_splits(
-        batch, setup.kv_heads, context, to.sm_count(setup.device), configs[0].per_sm
-    )
+    first = configs[0]
+    auto = to.choose_num_splits(batch, setup.kv_heads, context, to.sm_count(setup.device),
+                                first.per_sm, first.saturate_per_sm, first.tile_n)  # fmt: skip
     rows: list[dict] = []
     for cfg in configs:
         for splits in sorted({*splits_list, auto}):

@@ -44,7 +44,10 @@ MERGE_ROWS = 64
 class DecodeConfig:
     """Tile shape of the decode kernel: TILE_N keys per loop step. ``per_sm``: how many of
     its programs fit on one SM at once (registers and shared memory), used to size the
-    flash-decoding split so that the programs make about one full wave. ``early_v``: load
+    flash-decoding split so that the programs make about one full wave, and a decode plan's
+    lanes (``tests/kernels/test_occupancy.py`` checks it against the compiled kernels).
+    ``saturate_per_sm``: with fewer splits, as few programs an SM as read at the copy
+    bandwidth (``choose_num_splits``). ``early_v``: load
     each V tile with its K tile rather than after the softmax (``_attend_tile``'s EARLY_V;
     the prefill kernel always does). ``f16_products``: on an fp8 cache with bfloat16
     queries, multiply in float16 rather than bfloat16 (``_query_as_float16`` says why and
@@ -61,6 +64,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     per_sm: int = 2
+    saturate_per_sm: int | None = None
     early_v: bool = False
     f16_products: bool = True
     packed_loads: bool = False
@@ -91,9 +95,11 @@ def padded_head_dim(head_dim: int) -> int:
 FP8_NARROW_TILE_PAIRS = 256
 FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: ... and from this many on ``FP8_ONE_WARP``, 32 tokens and one warp per program (212
-#: registers and 12 KB of shared memory: eight programs per SM). ``PAGEDATTN_FP8_ONE_WARP_PAIRS``
-#: (read at import) moves the threshold, for A/B runs of a whole benchmark (a huge value:
-#: never one warp).
+#: registers and 12 KB of shared memory: nine programs fit an SM, but splits and plans sized
+#: for nine ran slower on an H200 than for eight: 68.6 against 50.5 us at 16 x 4k, 29.0
+#: against 24.2 by plans at 16 x 1,400, 43.6 against 36.9 at 64 x 700; ``gpu_runs/2026-12-04e/``).
+#: ``PAGEDATTN_FP8_ONE_WARP_PAIRS`` (read at import) moves the threshold, for A/B runs of a
+#: whole benchmark (a huge value: never one warp).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
 FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
 #: ... but by a decode plan (``planned``) from this many pairs on: a plan cuts the contexts
@@ -107,7 +113,17 @@ def decode_config(
 ) -> DecodeConfig:  # fmt: skip
     """Wide key tiles (32 KB of K per step in 16-bit types), two pipeline stages: measured on
     an H200 (bench sweeps) at 96% of copy bandwidth for batch 64 x 4k context, against 71% for
-    64-token tiles with three stages. Two such programs fit per SM (~250 registers/thread).
+    64-token tiles with three stages. Three such programs fit an SM at head dim 128 (72 KB of
+    shared memory each; 128 registers a thread unsplit, 160 split, Triton 3.6 on sm_90), so
+    the split count is sized for three (``per_sm``; until 2026-12-04 it said two, from a
+    kernel of 190 registers: 64 sequences then ran as 1.3 waves). On an H200 (CUDA graphs)
+    that took 64 x 4k from 274.7 to 249.1 us, 64 x 8k from 542.2 to 488.6, 64 x 32k from
+    2,319 to 1,981 and 32 x 4k from 171.7 to 134.3 (two or three splits where there were
+    none); with ``saturate_per_sm`` = 2, one-wave splits stay at two programs an SM, which
+    read as fast (``choose_num_splits``; ``gpu_runs/2026-12-04e/``). By a decode plan the
+    lanes stay two programs an SM: three were no faster over the contexts of a ShareGPT run
+    (4-64 sequences: 126.1 against 125.0 us summed) and slower where equal contexts fell
+    just over a chunk (32 x 1,000: 42.6 against 37.7 us).
     Every tile is masked and the ragged last one is loaded inside the pipelined loop
     (``one_loop``) rather than on its own after it: in the engine's graphs (bound 2,048) on an
     H200 that took Llama-3-8B's decode attention from 23.5 to 22.5 us at 16 x 900, 58.2 to
@@ -163,7 +179,9 @@ def decode_config(
         return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=3)
     if dtype.itemsize == 4:  # fp32: tf32x3 dots hold split operands in registers: small tiles
         return DecodeConfig(tile_n=32 if dpad <= 128 else 16, num_warps=4, num_stages=2)
+    # lanes of two programs an SM by a plan (measured; see the docstring), three without
     return DecodeConfig(tile_n=128 if dpad <= 128 else 64, num_warps=4, num_stages=2,
+                        per_sm=2 if planned else 3, saturate_per_sm=None if planned else 2,
                         one_loop=True)  # fmt: skip
 
 
@@ -182,8 +200,9 @@ def prefill_config(
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, per_sm: int = 2
-) -> int:
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, per_sm: int = 2,
+    saturate_per_sm: int | None = None, tile_n: int = 1,
+) -> int:  # fmt: skip
     """How many programs share one (sequence, KV head) in flash-decoding.
 
     The programs run in waves of ``per_sm * num_sms`` (the program slots); a partial last
@@ -195,6 +214,20 @@ def choose_num_splits(
     split: the GPU balances that many programs itself. (Before, pairs that filled one wave
     were not split: 48 sequences x 8 KV heads made 1.45 waves, and a Llama-3-8B decode step
     of 48 sequences read its cache at 72% of the bandwidth; 2 splits make 2.9 waves.)
+
+    ``saturate_per_sm``: how many programs an SM needs to read at the copy bandwidth, when
+    fewer than ``per_sm``. If the fullest split count makes one wave (every program resident
+    at once), fewer splits that give every SM about that many (90-100% of
+    ``saturate_per_sm * num_sms`` programs) are taken instead:
+    each SM reads the same bytes, in fewer, longer programs, with fewer partial results to
+    merge and fewer ragged last tiles. On an H200 the 16-bit kernel (three programs an SM)
+    took 71.3 us at 16 x 4k with 2 splits (256 programs) against 77.0 with 3 (384, the
+    fullest wave), 40.6 against 43.3 at 16 x 2k, 39.4 against 43.3 at 8 x 4k with 4 splits
+    against 6 (``gpu_runs/2026-12-04e/splits_bf16_*.log``).
+
+    ``tile_n``: the kernel's tile; a split sequence's partitions are whole tiles, so a split
+    count can give fewer partitions than it says (``_partition``): only counts the grid can
+    really have are weighed, and the count returned is one of them.
     """
     base = num_seqs * num_kv_heads
     slots = per_sm * num_sms
@@ -206,7 +239,13 @@ def choose_num_splits(
         programs = base * splits
         return programs / (-(-programs // slots) * slots)
 
-    return max(range(1, most + 1), key=lambda splits: (filled(splits), -splits))
+    # the split counts the grid can have: partitions are whole tiles (_partition)
+    counts = sorted({_partition(max_seq_len, s, tile_n)[1] for s in range(1, most + 1)})
+    best = max(counts, key=lambda splits: (filled(splits), -splits))
+    if saturate_per_sm and saturate_per_sm < per_sm and base * best <= slots:
+        few = saturate_per_sm * num_sms  # no SM given more than saturate_per_sm programs
+        best = next((s for s in counts if s < best and 0.9 * few <= base * s <= few), best)
+    return best
 
 
 def _partition(max_seq_len: int, num_splits: int, tile_n: int) -> tuple[int, int]:
@@ -322,9 +361,8 @@ def paged_decode_attention(
     # split.
     least = min_partition or cfg.tile_n
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, bound, sm_count(query.device), cfg.per_sm
-        )
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, bound, sm_count(query.device),
+                                       cfg.per_sm, cfg.saturate_per_sm, cfg.tile_n)  # fmt: skip
         least = min_partition or MIN_PARTITION
     min_partition = -(-least // cfg.tile_n) * cfg.tile_n
     _, num_splits = _partition(bound, max(1, num_splits), cfg.tile_n)
