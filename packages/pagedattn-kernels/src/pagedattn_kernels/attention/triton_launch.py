@@ -7,6 +7,7 @@ the same kernels in Triton's interpreter (``pagedattn_kernels.common.kernels_for
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -199,6 +200,7 @@ def prefill_config(
     return PrefillConfig(block_m, cfg.tile_n, cfg.num_warps, cfg.num_stages)
 
 
+@functools.lru_cache(maxsize=4096)  # pure in its ints; weighing 100 counts costs ~50 us
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, per_sm: int = 2,
     saturate_per_sm: int | None = None, tile_n: int = 1,
