@@ -76,7 +76,7 @@ class _Kept:
 #: change that moves this must re-measure ``per_sm``. Where ``per_sm`` is lower, measurement
 #: chose it (``decode_config``'s docstring, ``FP8_ONE_WARP``'s comment).
 FITS = {"16-bit": 3, "16-bit planned": 3, "fp8 wide": 2, "fp8 narrow": 4, "fp8 one warp": 9,
-        "fp8 one warp planned": 9}  # fmt: skip
+        "fp8 one warp planned": 9, "fp8 long": 8}  # fmt: skip
 
 
 def _shipped_configs(launch, dtype, fp8):
@@ -89,6 +89,8 @@ def _shipped_configs(launch, dtype, fp8):
              "fp8 one warp": launch.FP8_ONE_WARP_PAIRS}  # fmt: skip
     configs = [(what, launch.decode_config(128, dtype, kv_dtype=FP8_DTYPE, num_pairs=n), False)
                for what, n in pairs.items()]  # fmt: skip
+    configs.append(("fp8 long", launch.decode_config(
+        128, dtype, kv_dtype=FP8_DTYPE, num_pairs=512, context_bound=4096), False))  # fmt: skip
     configs.append(("fp8 one warp planned", launch.decode_config(
         128, dtype, kv_dtype=FP8_DTYPE, num_pairs=launch.FP8_PLANNED_ONE_WARP_PAIRS,
         planned=True), True))  # fmt: skip

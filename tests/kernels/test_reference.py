@@ -62,6 +62,8 @@ def test_fp8_decode_tiles_by_pairs():
     on an H200 with many programs, slower with few); by a plan, one warp from 64 pairs;
     16-bit caches are unaffected; only 16-bit caches take the ragged tile into the loop."""
     from pagedattn_kernels.attention.triton_launch import (
+        FP8_LONG,
+        FP8_LONG_PAIR_TOKENS,
         FP8_NARROW_TILE_PAIRS,
         FP8_ONE_WARP,
         FP8_ONE_WARP_PAIRS,
@@ -91,6 +93,19 @@ def test_fp8_decode_tiles_by_pairs():
     assert (alone.per_sm, alone.saturate_per_sm, by_plan.per_sm) == (3, 2, 2)
     assert dataclasses.replace(by_plan, per_sm=3, saturate_per_sm=2) == alone
     assert decode_config(256, bf16, kv_dtype=fp8, num_pairs=4096).tile_n == 64  # head dim 256
+    # without a plan, FP8_LONG from FP8_LONG_PAIR_TOKENS pairs x tokens of the context bound,
+    # whatever the pair count (1 x 32k and 64 x 4k; not 16 x 512 nor 1 x 8k); plans keep theirs
+    long = {(pairs, bound): decode_config(128, bf16, kv_dtype=fp8, num_pairs=pairs,
+                                          context_bound=bound)
+            for pairs, bound in ((8, 32768), (512, 4096), (128, 512), (8, 8192))}  # fmt: skip
+    assert long[8, 32768] == long[512, 4096] == FP8_LONG
+    assert FP8_LONG_PAIR_TOKENS == 8 * 16384
+    assert (FP8_LONG.tile_n, FP8_LONG.num_warps, FP8_LONG.num_stages, FP8_LONG.per_sm) == (64, 1, 2, 8)
+    assert long[128, 512] == decode_config(128, bf16, kv_dtype=fp8, num_pairs=128)
+    assert long[8, 8192].tile_n == 128
+    assert decode_config(128, bf16, kv_dtype=fp8, num_pairs=512, planned=True,
+                         context_bound=4096) == FP8_ONE_WARP  # fmt: skip
+    assert decode_config(128, bf16, num_pairs=512, context_bound=4096) == decode_config(128, bf16)
     assert decode_config(128, bf16, interpreted=True, kv_dtype=fp8, num_pairs=4096).num_stages == 1
 
 

@@ -103,6 +103,21 @@ FP8_NARROW = DecodeConfig(tile_n=64, num_warps=2, num_stages=3, per_sm=4)
 #: whole benchmark (a huge value: never one warp).
 FP8_ONE_WARP_PAIRS = int(os.environ.get("PAGEDATTN_FP8_ONE_WARP_PAIRS", "512"))
 FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
+#: Without a plan, once the batch holds this many (sequence, KV head) pairs x tokens of its
+#: context bound (16k tokens a KV head at Llama-3's eight), ``FP8_LONG`` instead of all the
+#: above: one warp, 64-token tiles, two pipeline stages (250 registers, 20 KB of shared memory:
+#: eight programs an SM). On an H200 (CUDA graphs, ``gpu_runs/2026-12-04e/fp8_*.log``) it took
+#: 138.9 us at 64 x 4k against 148.8 for ``FP8_ONE_WARP`` (93.6% of the script's copy
+#: bandwidth), 262.5 against 287.4 at 256 x 2k, 110.5-225.3 against 121.8-243.0 over the
+#: contexts of a ShareGPT run at 256-768 sequences, and against the tiles chosen before:
+#: 79.2 against 97.4 at 32 x 4k (``FP8_NARROW``), 79.5 against 103.2 at 16 x 8k, 19.5 against
+#: 25.8 at 4 x 4k, 27.6 against 34.8 at 1 x 32k (wide tiles). Below the threshold it lost:
+#: 15.4 against 10.9 us at 1 x 2k, 17.8 against 16.0 at 1 x 8k, 22.9 against 15.1 at 16 x 512.
+#: Decode plans keep ``FP8_ONE_WARP`` (64-token tiles were slower there: 51.5 against 46.2 us
+#: at 128 sequences). ``PAGEDATTN_FP8_LONG_PAIR_TOKENS`` (read at import; a huge value: never)
+#: moves the threshold, for A/B runs.
+FP8_LONG_PAIR_TOKENS = int(os.environ.get("PAGEDATTN_FP8_LONG_PAIR_TOKENS", str(8 * 16384)))
+FP8_LONG = DecodeConfig(tile_n=64, num_warps=1, num_stages=2, per_sm=8)
 #: ... but by a decode plan (``planned``) from this many pairs on: a plan cuts the contexts
 #: into chunks for all the lanes of eight programs an SM, which the automatic splits do not.
 FP8_PLANNED_ONE_WARP_PAIRS = 64
@@ -111,6 +126,7 @@ FP8_PLANNED_ONE_WARP_PAIRS = 64
 def decode_config(
     head_dim: int, dtype: torch.dtype, interpreted: bool = False,
     kv_dtype: torch.dtype | None = None, num_pairs: int | None = None, planned: bool = False,
+    context_bound: int | None = None,
 ) -> DecodeConfig:  # fmt: skip
     """Wide key tiles (32 KB of K per step in 16-bit types), two pipeline stages: measured on
     an H200 (bench sweeps) at 96% of copy bandwidth for batch 64 x 4k context, against 71% for
@@ -158,6 +174,11 @@ def decode_config(
     at 1 x 32k). The ragged tile stays after the loop on fp8 caches: inside it was slower
     there (8c1dddc).
 
+    ``context_bound`` (the call's bound on its contexts; the launcher passes it without a
+    plan): once ``num_pairs`` x ``context_bound`` reaches ``FP8_LONG_PAIR_TOKENS``,
+    ``FP8_LONG`` (one warp, 64-token tiles, two stages), faster than each of the above there
+    (its comment has the figures).
+
     ``planned`` (the call runs by a decode plan, ``attention.plan``): one warp from
     ``FP8_PLANNED_ONE_WARP_PAIRS`` (64) pairs on. Without a plan one warp lost below 512 pairs
     (above), but a plan balances the batch's contexts over all the lanes of eight programs an
@@ -173,6 +194,9 @@ def decode_config(
     dpad = padded_head_dim(head_dim)
     if kv_dtype == FP8_DTYPE and dtype.itemsize == 2:
         if dpad <= 128 and num_pairs is not None:
+            if (not planned and context_bound is not None
+                    and num_pairs * context_bound >= FP8_LONG_PAIR_TOKENS):  # fmt: skip
+                return FP8_LONG
             if num_pairs >= (FP8_PLANNED_ONE_WARP_PAIRS if planned else FP8_ONE_WARP_PAIRS):
                 return FP8_ONE_WARP
             if num_pairs >= FP8_NARROW_TILE_PAIRS:
@@ -351,14 +375,14 @@ def paged_decode_attention(
                          f"{num_seqs}")  # fmt: skip
     _, block_size, num_kv_heads, _ = key_cache.shape
     kernels = kernels_for(query.device, KERNELS)
+    # Without a hint, the block table's width bounds every context (no device sync needed).
+    bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     cfg = config or decode_config(head_dim, query.dtype, is_interpreted(kernels.decode_kernel),
                                   key_cache.dtype, num_seqs * num_kv_heads,
-                                  planned=plan is not None)  # fmt: skip
+                                  planned=plan is not None, context_bound=bound)  # fmt: skip
     if plan is not None:
         return _planned_decode(kernels, cfg, plan, query, key_cache, value_cache, block_tables,
                                seq_lens, scale, out, k_scale, v_scale)  # fmt: skip
-    # Without a hint, the block table's width bounds every context (no device sync needed).
-    bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     # The smallest share of a split sequence (the kernel's partition_size). Unused without a
     # split.
     least = min_partition or cfg.tile_n
