@@ -287,11 +287,14 @@ def _needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
     so that the kernels must compute offsets in 64 bits. 32-bit offsets save registers and
     address arithmetic: the prefill kernel ran 7-13% faster with them on an H200
     (``scripts/prefill_variants.py``)."""
-    for t in tensors:
-        span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-        if t.numel() and span >= 2**31 - 1:
-            return True
-    return False
+    return any(_span_needs_64bit(t.shape, t.stride()) for t in tensors)
+
+
+@functools.lru_cache(maxsize=256)  # a cache's layout rarely changes: skip the arithmetic
+def _span_needs_64bit(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    if 0 in shape:
+        return False
+    return sum((size - 1) * abs(stride) for size, stride in zip(shape, strides)) >= 2**31 - 1
 
 
 def _scratch(numel: int, device: torch.device) -> torch.Tensor:
@@ -405,14 +408,13 @@ def paged_decode_attention(
         kernels, cfg, (num_kv_heads, num_splits, num_seqs), out, part_out, part_lse, query,
         key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
         min_partition, part_out.stride(2) if split else 0,
-        order=seq_order, SPLIT=split, ORDERED=seq_order is not None,
+        order=seq_order, pdl=pdl, SPLIT=split, ORDERED=seq_order is not None,
     )  # fmt: skip
     if split:
+        os_, po, pl = out.stride(), part_out.stride(), part_lse.stride()
         kernels.decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, min_partition, num_splits,
-            out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
+            out, part_out, part_lse, seq_lens, min_partition, num_splits, os_[0], os_[1],
+            po[0], po[1], po[2], pl[0], pl[1],
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
             SPLITS_PAD=max(2, next_power_of_2(num_splits)), TILE_N=cfg.tile_n, PDL=pdl,
             launch_pdl=pdl, num_warps=4,
@@ -426,30 +428,33 @@ def _launch_decode(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, partition_size: int, stride_po_split: int,
-    order: torch.Tensor | None = None, work: torch.Tensor | None = None, **modes: bool,
+    order: torch.Tensor | None = None, work: torch.Tensor | None = None,
+    pdl: bool | None = None, **modes: bool,
 ) -> None:  # fmt: skip
     """One ``decode_kernel`` launch over ``grid``, the partial buffers' strides taken from
     ``part_out`` / ``part_lse`` (rows, heads[, split]); ``modes``: its SPLIT / ORDERED / WORK
-    flags. The unused pointers (``order``, ``work``) get ``seq_lens``."""
+    flags. The unused pointers (``order``, ``work``) get ``seq_lens``. ``pdl``: the caller's
+    ``use_pdl`` (None: looked up). Each tensor's strides are read once, as a tuple: an eager
+    call's host time is mostly such Python (``scripts/decode_host_time.py``)."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
-    pdl = use_pdl(query.device)
-    kernels.decode_kernel[grid](
+    if pdl is None:
+        pdl = use_pdl(query.device)
+    qs, os_, ks, vs = query.stride(), out.stride(), key_cache.stride(), value_cache.stride()
+    po, pl = part_out.stride(), part_lse.stride()
+    kernel = kernels.decode_kernel
+    kernel[grid](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
         seq_lens if order is None else order, seq_lens if work is None else work,
         scale_or_unit(k_scale, key_cache), scale_or_unit(v_scale, value_cache),
         scale * 1.4426950408889634, partition_size,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), stride_po_split,
-        part_lse.stride(0), part_lse.stride(1),
+        qs[0], qs[1], os_[0], os_[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        block_tables.stride(0), po[0], po[1], stride_po_split, pl[0], pl[1],
         QUERIES_PER_KV=qpk, BLOCK_G=max(16, next_power_of_2(qpk)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n, IEEE=_dot_ieee(query.dtype),
-        UPCAST=_upcast(kernels.decode_kernel, query.dtype), KV_FP8=key_cache.dtype == FP8_DTYPE,
+        UPCAST=_upcast(kernel, query.dtype), KV_FP8=key_cache.dtype == FP8_DTYPE,
         OFFS64=_needs_64bit_offsets(key_cache, value_cache), EARLY_V=cfg.early_v,
         F16_PRODUCTS=cfg.f16_products, PACKED=_packed(kernels, cfg, key_cache, value_cache),
         ONE_LOOP=cfg.one_loop, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
@@ -493,7 +498,7 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
     _launch_decode(
         kernels, cfg, (num_kv_heads, items, 1), out, part_out, part_lse, query, key_cache,
         value_cache, block_tables, seq_lens, scale, k_scale, v_scale, cfg.tile_n, 0,
-        work=plan.work, SPLIT=False, WORK=True,
+        work=plan.work, pdl=pdl, SPLIT=False, WORK=True,
     )  # fmt: skip
     if merges:
         group = next_power_of_2(qpk)
