@@ -16,8 +16,10 @@ PY="${PYTHON:-python3}"
 LENGTHS="${LENGTHS:-fixed}"  # or .gpu_data/sharegpt_1000.json: live requests' contexts
 TAG="${TAG:-}"  # a suffix for the files of a second run in the same call
 echo "=== per_sm against the compiled kernels"
-[[ "${OCC_TEST:-1}" == 1 ]] && timeout 120 "$PY" -m pytest -q -m gpu tests/kernels/test_occupancy.py > "$OUT/occupancy_test.log" 2>&1
-echo "    exit $?"; [[ "${OCC_TEST:-1}" == 1 ]] && grep -E "passed|failed|programs an SM|Error" "$OUT/occupancy_test.log" | cut -c1-200 | tail -20
+if [[ "${OCC_TEST:-1}" == 1 ]]; then
+  timeout 120 "$PY" -m pytest -q -m gpu tests/kernels/test_occupancy.py > "$OUT/occupancy_test.log" 2>&1
+  echo "    exit $?"; grep -E "passed|failed|programs an SM|Error" "$OUT/occupancy_test.log" | cut -c1-200 | tail -20
+fi
 summary() { grep -E "B=|best|rror" "$1" | grep -vE " run |plan B=" | sed "s/^.*INFO[^B]*//; s/ longest first=False//" | cut -c1-120 | tail -120; }
 echo "=== without a plan"
 timeout 260 "$PY" scripts/decode_fp8_engine_shapes.py ${KV_ONLY:-} \

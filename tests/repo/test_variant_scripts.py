@@ -57,3 +57,19 @@ def test_time_row_and_layer_sums(monkeypatch) -> None:
     layer = mod.layer_sums(rows, [2], ["a", "b"], ("bf16", "pick"))
     assert layer == [{"m": 2, "bf16_us": 6.0, "pick_us": 4.0, "pick_vs_bf16": 1.5}]
     assert rows[1]["vs_bf16"] == 2.0
+
+
+def test_engine_shapes_parses_config_fields(monkeypatch) -> None:
+    """``--configs`` items: TILE_N/WARPS/STAGES[/PER_SM], then ``+FIELD`` (a boolean field set
+    true) or ``+FIELD=INT``; an unknown field is refused by ``DecodeConfig`` itself."""
+    pytest.importorskip("triton")
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    mod = importlib.import_module("decode_fp8_engine_shapes")
+    a, b = mod.parse_configs("128/4/2/3+one_loop+saturate_per_sm=2,32/1/3")
+    assert (a.tile_n, a.num_warps, a.num_stages, a.per_sm) == (128, 4, 2, 3)
+    assert a.one_loop and a.saturate_per_sm == 2
+    assert (b.tile_n, b.num_warps, b.num_stages, b.per_sm, b.one_loop) == (32, 1, 3, 2, False)
+    with pytest.raises(TypeError):
+        mod.parse_configs("64/1/2+no_such_field")
