@@ -34,6 +34,9 @@ def test_bench_quick_runs():
     assert summary["decode"] and summary["prefill"]
     for row in summary["decode"]:
         assert row["us"] > 0 and row["rel_err_vs_sdpa"] < 1e-4
+    for row in summary["prefill"]:  # ours and the chosen SDPA variant, timed in turn
+        lo, hi = row["vs_sdpa_interleaved_range"]
+        assert 0 < lo <= row["vs_sdpa_interleaved"] <= hi
     assert any("B" in line and "ctx" in line for line in lines), "no readable table"
     ops = {row["op"] for row in summary["fused"]}
     assert ops == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"}
