@@ -29,7 +29,7 @@ from pagedattn_kernels.common import FP8_DTYPE, SmLimits, programs_per_sm
         (54, 0, 8, 4),  # the SiLU kernel's persistent programs: 56 x 32 x 8 registers each
         (16, 0, 1, 32),  # tiny programs: the 32-program limit
         (32, 0, 32, 2),  # 1,024 threads: the 64-warp limit
-        (255, 0, 8, 1),
+        (255, 0, 8, 1),  # 255 registers (256 allocated) in eight warps: one
     ],
 )
 def test_programs_per_sm(registers, shared, warps, expected):
