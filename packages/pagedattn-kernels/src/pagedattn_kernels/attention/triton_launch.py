@@ -428,19 +428,17 @@ def _launch_decode(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, partition_size: int, stride_po_split: int,
-    order: torch.Tensor | None = None, work: torch.Tensor | None = None,
-    pdl: bool | None = None, **modes: bool,
+    *, pdl: bool, order: torch.Tensor | None = None, work: torch.Tensor | None = None,
+    **modes: bool,
 ) -> None:  # fmt: skip
     """One ``decode_kernel`` launch over ``grid``, the partial buffers' strides taken from
     ``part_out`` / ``part_lse`` (rows, heads[, split]); ``modes``: its SPLIT / ORDERED / WORK
     flags. The unused pointers (``order``, ``work``) get ``seq_lens``. ``pdl``: the caller's
-    ``use_pdl`` (None: looked up). Each tensor's strides are read once, as a tuple: an eager
-    call's host time is mostly such Python (``scripts/decode_host_time.py``)."""
+    ``use_pdl``, which its own merge launch needs too. Each tensor's strides are read once, as
+    a tuple: an eager call's host time is mostly such Python (``scripts/decode_host_time.py``)."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
-    if pdl is None:
-        pdl = use_pdl(query.device)
     qs, os_, ks, vs = query.stride(), out.stride(), key_cache.stride(), value_cache.stride()
     po, pl = part_out.stride(), part_lse.stride()
     kernel = kernels.decode_kernel
