@@ -34,6 +34,8 @@ from pagedkv.server.protocol import (
     VersionResponse,
 )
 from pagedkv.server.serving import OpenAIServing
+from pagedkv.server.serving_chat import ChatServing
+from pagedkv.server.serving_completion import CompletionServing
 from pagedkv.server.streams import ClientDisconnected
 
 logger = logging.getLogger(__name__)
@@ -96,10 +98,10 @@ def build_app(
         description="OpenAI-compatible completions and chat over the pagedkv engine.",
     )
     metrics = ServerMetrics(engine, served_model_names[0] if served_model_names else "")
-    serving = OpenAIServing(
-        engine,
-        served_model_names,
-        metrics,
+    serving = OpenAIServing(engine, served_model_names, metrics)
+    completions = CompletionServing(serving)
+    chat = ChatServing(
+        serving,
         chat_template=chat_template,
         tool_call_parser=tool_call_parser,
         trust_request_chat_template=trust_request_chat_template,
@@ -128,7 +130,7 @@ def build_app(
         summary="Create a text completion (OpenAI API)",
     )
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
-        result = await serving.create_completion(body, request)
+        result = await completions.create(body, request)
         return result if isinstance(result, CompletionResponse) else _sse(result)
 
     @app.post(
@@ -138,7 +140,7 @@ def build_app(
         summary="Create a chat completion (OpenAI API)",
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-        result = await serving.create_chat_completion(body, request)
+        result = await chat.create(body, request)
         return result if isinstance(result, ChatCompletionResponse) else _sse(result)
 
     def card(name: str) -> ModelCard:
@@ -229,7 +231,7 @@ def build_app(
             if continue_final and "add_generation_prompt" not in body.model_fields_set:
                 add_gen = False
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            tokens = await serving.render_chat(
+            tokens = await chat.render_chat(
                 body.messages,
                 add_gen,
                 continue_final_message=continue_final,
@@ -291,7 +293,7 @@ def build_app(
             pad_token=special("pad_token"),
             unk_token=special("unk_token"),
             add_bos_token=add_bos if isinstance(add_bos, bool) else None,
-            chat_template=serving.chat_template,
+            chat_template=chat.chat_template,
         )
 
     @app.get("/version", response_model=VersionResponse, summary="Server and engine versions")
