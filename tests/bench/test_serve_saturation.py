@@ -1,6 +1,7 @@
-"""Issue 21's below-saturation figures of `bench serve --request-rates`: the batch the server ran
-at (sampled from /metrics), the knee, the ratio of median TPOT to the offline decode step
-(`pagedkv.bench.decode_step`), and `scripts/gpu_serve_sweep.sh` end to end on the CPU."""
+"""The below-saturation figures of `bench serve --request-rates` (`pagedkv.bench.serve_saturation`):
+the batch the server ran at (sampled from /metrics), the knee, the ratio of median TPOT to the
+offline decode step (`pagedkv.bench.decode_step`), and `scripts/gpu_serve_sweep.sh` end to end
+on the CPU."""
 
 from __future__ import annotations
 
@@ -17,22 +18,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv.bench import decode_step
-from pagedkv.bench import serve as bench_serve
+from pagedkv.bench import decode_step, serve, serve_client, serve_requests, serve_saturation
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench_serve.add_bench_serve_args(parser)
+    serve.add_bench_serve_args(parser)
     if "--vocab-size" not in argv:  # no server to read it from
         argv = (*argv, "--vocab-size", "32000")
     return parser.parse_args(list(argv))
 
 
-def _done(e2e: float, tokens: int = 10) -> bench_serve.RequestResult:
-    return bench_serve.RequestResult(ok=True, output_tokens=tokens, ttft=0.01, e2e=e2e)
+def _done(e2e: float, tokens: int = 10) -> serve_requests.RequestResult:
+    return serve_requests.RequestResult(ok=True, output_tokens=tokens, ttft=0.01, e2e=e2e)
 
 
 def _rate(rate: float, growth: float | None, failed: int = 0, **extra) -> dict:
@@ -45,17 +45,17 @@ def _rate(rate: float, growth: float | None, failed: int = 0, **extra) -> dict:
 
 def test_token_weighted_median_by_hand() -> None:
     # 1 + 1 + 8 = 10 tokens a step: the 8s hold 8 of 10, so the median token is in a batch of 8
-    assert bench_serve.token_weighted_median([1, 1, 8]) == 8
+    assert serve_saturation.token_weighted_median([1, 1, 8]) == 8
     # 0s (an idle server) make no tokens; 3 + 3 = 6 of 10 tokens in batches of 3 or less
-    assert bench_serve.token_weighted_median([0, 0, 3, 3, 4]) == 3
-    assert bench_serve.token_weighted_median([]) is None
-    assert bench_serve.token_weighted_median([0, 0]) is None
+    assert serve_saturation.token_weighted_median([0, 0, 3, 3, 4]) == 3
+    assert serve_saturation.token_weighted_median([]) is None
+    assert serve_saturation.token_weighted_median([0, 0]) is None
 
 
 @given(st.lists(st.integers(0, 1024), min_size=1, max_size=60))
 def test_token_weighted_median_splits_the_tokens(values: list[int]) -> None:
     """Reference: expand every sample into one entry per token it made, take the lower median."""
-    m = bench_serve.token_weighted_median([float(v) for v in values])
+    m = serve_saturation.token_weighted_median([float(v) for v in values])
     tokens = sorted(v for v in values for _ in range(v))
     if not tokens:
         assert m is None
@@ -74,8 +74,8 @@ def test_parse_gauges_sums_label_sets_and_skips_the_rest() -> None:
         'vllm:num_requests_running_total{model_name="m"} 99.0\n'
         "vllm:generation_tokens_total 5.0\n"
     )
-    assert bench_serve.parse_gauges(page) == (9.0, 3.0)
-    assert bench_serve.parse_gauges("vllm:other 1\n") == (None, None)
+    assert serve_saturation.parse_gauges(page) == (9.0, 3.0)
+    assert serve_saturation.parse_gauges("vllm:other 1\n") == (None, None)
 
 
 def test_a_rate_samples_the_servers_running_batch() -> None:
@@ -99,8 +99,8 @@ def test_a_rate_samples_the_servers_running_batch() -> None:
     async def go() -> dict:
         transport = httpx.MockTransport(answer)
         async with httpx.AsyncClient(transport=transport) as client:
-            specs = bench_serve.make_requests(args)
-            return await bench_serve._measure_rate(client, "http://x", args, "m", specs, 50.0)
+            specs = serve_requests.make_requests(args)
+            return await serve_client._measure_rate(client, "http://x", args, "m", specs, 50.0)
 
     s = asyncio.run(go())
     assert len(seen) == s["num_requests"] == 5 == s["completed"]  # ceil(50 x 0.1)
@@ -111,10 +111,10 @@ def test_a_rate_samples_the_servers_running_batch() -> None:
 
 
 def test_rate_requests() -> None:
-    assert bench_serve.rate_requests(1000, 40, None) == 1000
-    assert bench_serve.rate_requests(1000, 40, 15) == 600
-    assert bench_serve.rate_requests(1000, 70, 15) == 1000
-    assert bench_serve.rate_requests(1000, 0.01, 15) == 1
+    assert serve_saturation.rate_requests(1000, 40, None) == 1000
+    assert serve_saturation.rate_requests(1000, 40, 15) == 600
+    assert serve_saturation.rate_requests(1000, 70, 15) == 1000
+    assert serve_saturation.rate_requests(1000, 0.01, 15) == 1
 
 
 # ---- the knee -------------------------------------------------------------------------------
@@ -123,30 +123,32 @@ def test_rate_requests() -> None:
 def test_latency_growth_compares_the_last_third_with_the_first() -> None:
     # per-token latencies 0.1, 0.1, 0.1 | 0.2, 0.2, 0.2 | 0.3, 0.3, 0.3 -> 0.3 / 0.1
     results = [_done(e2e) for e2e in (1, 1, 1, 2, 2, 2, 3, 3, 3)]
-    assert bench_serve.latency_growth(results) == pytest.approx(3.0)
-    failed = bench_serve.RequestResult(ok=False)
-    assert bench_serve.latency_growth([_done(1), failed, _done(1), _done(2)]) == pytest.approx(2)
-    assert bench_serve.latency_growth([_done(1), _done(2)]) is None
+    assert serve_saturation.latency_growth(results) == pytest.approx(3.0)
+    failed = serve_requests.RequestResult(ok=False)
+    growth = serve_saturation.latency_growth([_done(1), failed, _done(1), _done(2)])
+    assert growth == pytest.approx(2)
+    assert serve_saturation.latency_growth([_done(1), _done(2)]) is None
 
 
 def test_knee() -> None:
-    k = bench_serve.knee_summary(
+    k = serve_saturation.knee_summary(
         [_rate(40, 1.1), _rate(10, 1.0), _rate(20, 1.2), _rate(60, 2.4), _rate(80, 1.2)], 1.5
     )
     # 80 follows again (a noisy point above the first crossing does not count)
     assert (k["knee_rate"], k["status"], k["first_rate_past_knee"]) == (40.0, "crossed", 60.0)
-    k = bench_serve.knee_summary([_rate(10, 1.0), _rate(20, 1.4)], 1.5)
+    k = serve_saturation.knee_summary([_rate(10, 1.0), _rate(20, 1.4)], 1.5)
     assert (k["knee_rate"], k["status"]) == (20.0, "all_rates_follow")
-    k = bench_serve.knee_summary([_rate(10, 1.9), _rate(20, 1.0)], 1.5)
+    k = serve_saturation.knee_summary([_rate(10, 1.9), _rate(20, 1.0)], 1.5)
     assert (k["knee_rate"], k["status"]) == (None, "lowest_rate_saturated")
     # failed requests, or too few to judge, end the run of rates that follow
-    assert bench_serve.knee_summary([_rate(10, 1.0), _rate(20, 1.0, failed=1)],
-                                    1.5)["knee_rate"] == 10.0
-    assert bench_serve.knee_summary([_rate(10, 1.0), _rate(20, None)], 1.5)["knee_rate"] == 10.0
+    assert serve_saturation.knee_summary([_rate(10, 1.0), _rate(20, 1.0, failed=1)],
+                                         1.5)["knee_rate"] == 10.0
+    assert serve_saturation.knee_summary([_rate(10, 1.0), _rate(20, None)],
+                                         1.5)["knee_rate"] == 10.0
     with pytest.raises(ValueError, match="at least one rate"):
-        bench_serve.knee_summary([], 1.5)
+        serve_saturation.knee_summary([], 1.5)
     with pytest.raises(ValueError, match=">= 1"):
-        bench_serve.knee_summary([_rate(10, 1.0)], 0.5)
+        serve_saturation.knee_summary([_rate(10, 1.0)], 0.5)
 
 
 def test_ratios_and_maxima_below_the_knee() -> None:
@@ -155,20 +157,20 @@ def test_ratios_and_maxima_below_the_knee() -> None:
         _rate(20, 1.1, batch_size_median=32, median_tpot_ms=9.0, p99_itl_ms=80.0),
         _rate(40, 3.0, batch_size_median=256, median_tpot_ms=40.0, p99_itl_ms=900.0),
     ]
-    rec = bench_serve.saturation_record(per_rate, 1.5)
+    rec = serve_saturation.saturation_record(per_rate, 1.5)
     assert rec["knee_rate"] == 20.0 and rec["p99_itl_ms_max_below_knee"] == 80.0
     assert rec["tpot_over_decode_step_max_below_knee"] is None  # no offline step yet
-    bench_serve.attach_decode_steps(per_rate, {8: 5.0, 32: 6.0, 256: 10.0, 999: 1.0})
+    serve_saturation.attach_decode_steps(per_rate, {8: 5.0, 32: 6.0, 256: 10.0, 999: 1.0})
     assert [s["tpot_over_decode_step"] for s in per_rate] == pytest.approx([1.4, 1.5, 4.0])
-    rec = bench_serve.saturation_record(per_rate, 1.5)
+    rec = serve_saturation.saturation_record(per_rate, 1.5)
     assert rec["tpot_over_decode_step_max_below_knee"] == pytest.approx(1.5)  # not 4.0: past
     goals = rec["below_knee_goals"]
     assert goals["tpot_met"] is False and goals["p99_itl_met"] is True
     # a rate below the knee without an offline step: no maximum rather than a partial one
     del per_rate[0]["tpot_over_decode_step"]
-    assert bench_serve.saturation_record(per_rate, 1.5)[
+    assert serve_saturation.saturation_record(per_rate, 1.5)[
         "tpot_over_decode_step_max_below_knee"] is None
-    table = bench_serve.format_saturation_table(per_rate, 1.5)
+    table = serve_saturation.format_saturation_table(per_rate, 1.5)
     assert "knee 20 req/s" in table and "at most 1.50" not in table
 
 
@@ -180,18 +182,18 @@ def test_saturation_options_are_checked() -> None:
         (["--request-rate", "2", "--duration-per-rate", "5"], "goes with --request-rates"),
     ):
         with pytest.raises(ValueError, match=match):
-            bench_serve._check(_args(*argv))
+            serve._check(_args(*argv))
 
 
 # ---- the offline decode step ----------------------------------------------------------------
 
 
 def test_decode_context_is_the_mean_over_generated_tokens() -> None:
-    specs = [bench_serve.RequestSpec([1] * 10, 3), bench_serve.RequestSpec([1] * 100, 1)]
+    specs = [serve_requests.RequestSpec([1] * 10, 3), serve_requests.RequestSpec([1] * 100, 1)]
     # contexts of the generated tokens: 10, 11, 12 and 100
     assert decode_step.decode_context(specs) == pytest.approx((10 + 11 + 12 + 100) / 4)
     with pytest.raises(ValueError, match="no tokens"):
-        decode_step.decode_context([bench_serve.RequestSpec([1], 0)])
+        decode_step.decode_context([serve_requests.RequestSpec([1], 0)])
 
 
 def test_sweep_inputs_and_batch_sizes_are_checked() -> None:
@@ -237,7 +239,7 @@ def test_the_sweep_script_runs_on_the_cpu(tmp_path) -> None:
         assert s["offline_decode_step_ms"] == measured[s["batch_size_median"]] > 0
         assert s["tpot_over_decode_step"] == pytest.approx(
             s["median_tpot_ms"] / s["offline_decode_step_ms"], rel=1e-3)
-    rec = bench_serve.saturation_record(data["rates"], 1.5)
+    rec = serve_saturation.saturation_record(data["rates"], 1.5)
     for key in ("knee_rate", "tpot_over_decode_step_max_below_knee", "p99_itl_ms_max_below_knee"):
         assert data[key] == (pytest.approx(rec[key], rel=1e-3) if rec[key] else rec[key])
     assert (out / "serve_sweep_llama3_8b_decode_step.log").exists()

@@ -9,7 +9,9 @@ Modules (each runnable as ``python -m pagedkv.bench.<module>``):
 
 - ``throughput``: offline engine throughput against transformers (``pagedkv bench throughput``);
 - ``sharing``: KV blocks saved by sharing (``pagedkv bench sharing``);
-- ``serve``: load generator for OpenAI-compatible servers (``pagedkv bench serve``);
+- ``serve``: load generator for OpenAI-compatible servers (``pagedkv bench serve``), the
+  command; its parts are ``serve_requests``, ``serve_client``, ``serve_report``,
+  ``serve_saturation`` and ``serve_compare``;
 - ``sim``: trace-driven simulator, paging vs contiguous reservation (``pagedkv simulate``);
 - ``kernels``: paged attention and fused kernels against copy bandwidth and SDPA (GPU);
 - ``kvblocks``: the block manager's decode-step bookkeeping (CPU);

@@ -358,7 +358,8 @@ def parse_sizes(text: str) -> list[int]:
 def sweep_inputs(data: dict[str, Any]) -> tuple[list[int], float, float]:
     """From a sweep's JSON: (the rates' batch sizes, the decode context of its requests, the
     knee's latency growth bound)."""
-    from pagedkv.bench import serve
+    from pagedkv.bench.serve_requests import make_requests
+    from pagedkv.bench.serve_saturation import DEFAULT_KNEE_LATENCY_GROWTH
 
     rates = data.get("rates") or []
     sizes = sorted({s["batch_size_median"] for s in rates if s.get("batch_size_median")})
@@ -366,14 +367,19 @@ def sweep_inputs(data: dict[str, Any]) -> tuple[list[int], float, float]:
         raise ValueError("the sweep has no batch sizes (no rate has batch_size_median: run it "
                          "with --metrics-period > 0 against a server with /metrics)")
     options = dict(data["setup"]["options"])
-    specs = serve.make_requests(argparse.Namespace(**options))
-    bound = float(options.get("knee_latency_growth", serve.DEFAULT_KNEE_LATENCY_GROWTH))
+    specs = make_requests(argparse.Namespace(**options))
+    bound = float(options.get("knee_latency_growth", DEFAULT_KNEE_LATENCY_GROWTH))
     return sizes, decode_context(specs), bound
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.bench import serve
     from pagedkv.bench.env import environment
+    from pagedkv.bench.serve_report import json_ready, write_json
+    from pagedkv.bench.serve_saturation import (
+        attach_decode_steps,
+        format_saturation_table,
+        saturation_record,
+    )
     from pagedkv.engine.arg_utils import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
 
@@ -414,13 +420,13 @@ def run(args: argparse.Namespace) -> int:
                   "steps": args.steps, "device": str(engine.device), "commit": env["commit"],
                   "by_batch": list(measured), **({"prefill": pre} if pre else {})}
         if data is not None:
-            serve.attach_decode_steps(data["rates"],
-                                      {m["batch_size"]: m["median_step_ms"] for m in measured})
-            data.update(serve.saturation_record(data["rates"], bound))
+            attach_decode_steps(data["rates"],
+                                {m["batch_size"]: m["median_step_ms"] for m in measured})
+            data.update(saturation_record(data["rates"], bound))
             data["offline_decode"] = record
-            serve._write_json(args.sweep_json, data)
+            write_json(args.sweep_json, data)
         elif args.output_json:
-            serve._write_json(args.output_json, record)
+            write_json(args.output_json, record)
 
     if args.prefill_prompt_len:
         pre = measure_prefill(engine, args.prefill_prompt_len, args.prefill_passes,
@@ -432,19 +438,19 @@ def run(args: argparse.Namespace) -> int:
             print(format_kernel_table(pre["kernels"]), flush=True)
         if not sizes:
             if args.output_json:
-                serve._write_json(args.output_json, {"command": env["command"],
-                                                     "commit": env["commit"], "prefill": pre})
+                write_json(args.output_json, {"command": env["command"],
+                                              "commit": env["commit"], "prefill": pre})
             print(json.dumps({"prefill_pass_ms": pre["prefill_pass_ms"]}))
             return 0
     measure_decode_steps(engine, sizes, round(context), args.steps, args.warmup_steps,
                          on_result=save, profile_steps=args.profile_steps)
     if data is not None:
-        print(serve.format_saturation_table(data["rates"], bound))
+        print(format_saturation_table(data["rates"], bound))
         line = {k: data[k] for k in ("knee_rate", "tpot_over_decode_step_max_below_knee",
                                      "p99_itl_ms_max_below_knee")}
     else:
         line = {"decode_step_ms": {m["batch_size"]: m["decode_step_ms"] for m in measured}}
-    print(json.dumps(serve._json_ready(line)))
+    print(json.dumps(json_ready(line)))
     return 0
 
 
