@@ -106,10 +106,10 @@ def test_workload_lengths_and_percentiles() -> None:
     assert all(100 <= t < 49152 for s in specs[:50] for t in s.prompt)
     values = [random.random() for _ in range(101)]
     ordered = sorted(values)
-    assert serve_report._pct(values, 50) == ordered[50]
-    assert serve_report._pct(values, 99) == pytest.approx(ordered[99])
-    assert serve_report._pct([], 99) == 0.0
-    assert not math.isnan(serve_report._pct([1.0], 99))
+    assert serve_report.percentile(values, 50) == ordered[50]
+    assert serve_report.percentile(values, 99) == pytest.approx(ordered[99])
+    assert serve_report.percentile([], 99) == 0.0
+    assert not math.isnan(serve_report.percentile([1.0], 99))
 
 
 # ---- tokenizer-free servers and the request-rate sweep ---------------------------------------

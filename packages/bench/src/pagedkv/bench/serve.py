@@ -58,11 +58,11 @@ from pagedkv.bench.serve_compare import format_compare, run_compare_offline, spl
 from pagedkv.bench.serve_report import (
     DEFAULT_LATENCY_BOUND,
     SWEEP_KEYS,
-    _rate,
     format_report,
     format_sweep_table,
     json_ready,
     plot_sweep,
+    rate_label,
     sweep_summary,
     write_json,
 )
@@ -315,7 +315,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_header(args: argparse.Namespace) -> None:
     if args.request_rates is not None:
-        rate = ", ".join(_rate(r) for r in args.request_rates) + " req/s (Poisson), a sweep"
+        rate = ", ".join(rate_label(r) for r in args.request_rates) + " req/s (Poisson), a sweep"
     else:
         r = single_rate(args)
         rate = "inf" if r == math.inf else f"{r:g} req/s (Poisson)"

@@ -126,7 +126,9 @@ async def _arrivals(rate: float, n: int, rng: random.Random):
             await asyncio.sleep(rng.expovariate(rate))
 
 
-def _client(args: argparse.Namespace) -> httpx.AsyncClient:
+def http_client(args: argparse.Namespace) -> httpx.AsyncClient:
+    """The client every request of a run goes through: no connection limit (the rate, not
+    a pool, decides how many requests are in flight), the API key when one is given."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
@@ -195,7 +197,7 @@ def single_rate(args: argparse.Namespace) -> float:
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """One run at `--request-rate`; the summary of `summarize`."""
     base = args.base_url.rstrip("/")
-    async with _client(args) as client:
+    async with http_client(args) as client:
         model = await model_name(client, base, args)
         specs = make_requests(args)
         results, duration = await send_all(
@@ -227,7 +229,7 @@ async def run_sweep(
     url = base + args.endpoint
     per_rate: list[dict[str, Any]] = []
     warmup_failed = 0
-    async with _client(args) as client:
+    async with http_client(args) as client:
         model = await model_name(client, base, args)
         specs = make_requests(args)
         if args.warmup_requests:

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from pagedkv.bench.env import environment, hardware
-from pagedkv.bench.serve_client import _client, model_name, run_benchmark, warm_up
+from pagedkv.bench.serve_client import http_client, model_name, run_benchmark, warm_up
 from pagedkv.bench.serve_requests import RequestSpec, check_vocab, make_requests
 
 #: Server-side histograms read from /metrics around each run (sum and count of each).
@@ -204,7 +204,7 @@ def _serve_run(server: _Server, args: argparse.Namespace, stream: bool) -> dict[
 
 def _warm_server(server: _Server, args: argparse.Namespace) -> None:
     async def go() -> None:
-        async with _client(args) as client:
+        async with http_client(args) as client:
             model = await model_name(client, server.url, args)
             await warm_up(client, server.url + args.endpoint, args, model, make_requests(args))
 

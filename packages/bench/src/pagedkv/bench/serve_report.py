@@ -50,7 +50,9 @@ SWEEP_KEYS = (
 )
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The `q`-th percentile, interpolated between the two nearest ranks (numpy's default);
+    0 for no values."""
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -90,7 +92,7 @@ def summarize(results: list[RequestResult], duration: float, model: str) -> dict
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es)):
         summary[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0
         summary[f"median_{name}_ms"] = statistics.median(values) if values else 0.0
-        summary[f"p99_{name}_ms"] = _pct(values, 99)
+        summary[f"p99_{name}_ms"] = percentile(values, 99)
     return summary
 
 
@@ -128,26 +130,26 @@ def sweep_summary(per_rate: list[dict[str, Any]], bound: float) -> dict[str, Any
     if sustainable is None:
         status = "lowest_rate_exceeds_bound"
         note = (
-            f"even the lowest rate, {_rate(rates[0])} req/s, exceeds {bound:g} s/token "
+            f"even the lowest rate, {rate_label(rates[0])} req/s, exceeds {bound:g} s/token "
             "(or fails requests): no tested rate is sustainable; test lower rates"
         )
     elif first_over is None:
         status = "all_rates_within_bound"
         note = (
-            f"every rate up to the highest tested, {_rate(rates[-1])} req/s, stays within "
+            f"every rate up to the highest tested, {rate_label(rates[-1])} req/s, stays within "
             f"{bound:g} s/token: the sustainable rate is at least that; test higher rates"
         )
     else:
         status = "crossed"
         note = (
-            f"sustainable rate {_rate(sustainable)} req/s: normalized latency within "
+            f"sustainable rate {rate_label(sustainable)} req/s: normalized latency within "
             f"{bound:g} s/token up to it, over the bound (or failing requests) at "
-            f"{_rate(first_over)} req/s"
+            f"{rate_label(first_over)} req/s"
         )
     within_rates = [r for r, ok in zip(rates, flags) if ok]
     highest = max(within_rates) if within_rates else None
     if highest is not None and (sustainable is None or highest > sustainable):
-        note += f"; {_rate(highest)} req/s is within the bound again (a noisy curve)"
+        note += f"; {rate_label(highest)} req/s is within the bound again (a noisy curve)"
     return {
         "latency_bound_s_per_token": bound,
         "sustainable_rate": sustainable,
@@ -158,7 +160,8 @@ def sweep_summary(per_rate: list[dict[str, Any]], bound: float) -> dict[str, Any
     }
 
 
-def _rate(r: float) -> str:
+def rate_label(r: float) -> str:
+    """A request rate as the tables print it (`inf` for everything at once)."""
     return f"{r:g}"
 
 
@@ -170,7 +173,7 @@ def format_report(s: dict[str, Any]) -> str:
     rate = s.get("request_rate")
     title = " Serving Benchmark Result "
     if rate is not None:
-        title = f" Serving Benchmark Result @ {_rate(rate)} req/s "
+        title = f" Serving Benchmark Result @ {rate_label(rate)} req/s "
     lines = ["{s:{c}^50}".format(s=title, c="=")]
 
     def row(label: str, value: Any) -> None:
@@ -217,7 +220,7 @@ def format_sweep_table(per_rate: list[dict[str, Any]], summary: dict[str, Any]) 
 
     for s in sorted(per_rate, key=lambda x: x["request_rate"]):
         lines.append(
-            f"{_rate(s['request_rate']):>7} {s['request_throughput']:>7.2f} "
+            f"{rate_label(s['request_rate']):>7} {s['request_throughput']:>7.2f} "
             f"{s['output_throughput']:>10.1f} {three(s, 'ttft', 1, '.0f'):>24} "
             f"{three(s, 'tpot', 1, '.1f'):>24} {three(s, 'e2el', 1e-3, '.2f'):>22} "
             f"{fmt(s['normalized_latency_s_per_token'], '.4f'):>10} "
@@ -259,7 +262,7 @@ def plot_sweep(
                 summary["sustainable_rate"],
                 color="gray",
                 linestyle=":",
-                label=f"sustainable {_rate(summary['sustainable_rate'])} req/s",
+                label=f"sustainable {rate_label(summary['sustainable_rate'])} req/s",
             )
         # Past saturation the latency grows without bound; like the paper's figures, the axis
         # stops at a few times the bound so that the flat part stays readable.

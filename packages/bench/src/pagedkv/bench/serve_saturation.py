@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from pagedkv.bench.serve_report import _rate, fmt
+from pagedkv.bench.serve_report import fmt, rate_label
 from pagedkv.bench.serve_requests import RequestResult
 
 #: A rate *follows its offered load* when the normalized latency (s/token) of its last third of
@@ -222,16 +222,16 @@ def knee_summary(per_rate: list[dict[str, Any]], max_growth: float) -> dict[str,
         knee = float(s["request_rate"])
     if knee is None:
         status = "lowest_rate_saturated"
-        note = (f"even the lowest rate, {_rate(ordered[0]['request_rate'])} req/s, falls behind "
+        note = (f"even the lowest rate, {rate_label(ordered[0]['request_rate'])} req/s, falls behind "
                 "its offered load (or fails requests): test lower rates")
     elif first_past is None:
         status = "all_rates_follow"
-        note = (f"every rate up to the highest tested, {_rate(knee)} req/s, follows its offered "
+        note = (f"every rate up to the highest tested, {rate_label(knee)} req/s, follows its offered "
                 "load: the knee is at least that; test higher rates")
     else:
         status = "crossed"
-        note = (f"knee {_rate(knee)} req/s: the server keeps up to it and falls behind at "
-                f"{_rate(first_past)} req/s")
+        note = (f"knee {rate_label(knee)} req/s: the server keeps up to it and falls behind at "
+                f"{rate_label(first_past)} req/s")
     return {"knee_rate": knee, "status": status, "first_rate_past_knee": first_past,
             "latency_growth_bound": max_growth, "note": note}
 
@@ -291,7 +291,7 @@ def format_saturation_table(per_rate: list[dict[str, Any]], max_growth: float) -
                          ("batch_size_median", "batch_size_mean", "batch_size_max"))
         follows = {True: "yes", False: "no", None: "n/a"}[s.get("follows_offered_load")]
         lines.append(
-            f"{_rate(s['request_rate']):>7} {fmt(s.get('offered_output_tok_s'), '.0f'):>9} "
+            f"{rate_label(s['request_rate']):>7} {fmt(s.get('offered_output_tok_s'), '.0f'):>9} "
             f"{s['output_throughput']:>10.1f} {batch:>20} {fmt(s.get('waiting_max'), 'd'):>8} "
             f"{s['median_tpot_ms']:>9.1f} {s['p99_itl_ms']:>8.1f} "
             f"{fmt(s.get('latency_growth'), '.2f'):>7} {follows:>8} "
