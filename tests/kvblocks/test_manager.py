@@ -454,6 +454,74 @@ def test_check_invariants_catches_a_token_list_shared_by_two_sequences() -> None
         m.check_invariants()
 
 
+
+def _busy_manager() -> BlockManager:
+    """A manager with every kind of bookkeeping in use: shared (forked) blocks, a partly
+    filled last block, a swapped-out sequence, published prefix-cache entries."""
+    m = BlockManager(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8,
+                     enable_prefix_caching=True)
+    parent = list(range(1, 11))  # 10 tokens: two full blocks and half of a third
+    m.allocate(0, parent)
+    assert m.allocate_slots(0, 10) == ()
+    m.fork(0, 1, parent.copy())
+    for seq_id, tokens in ((2, [7, 7, 7, 7, 8]), (3, [5, 6])):
+        m.allocate(seq_id, tokens)
+        assert m.allocate_slots(seq_id, len(tokens)) == ()
+    m.swap_out([3])
+    m.check_invariants()
+    assert m.gpu_pool.ref_count(m.block_table(1)[-1]) == 2 and m.location(3) == "cpu"
+    return m
+
+
+def _corrupt_block_count(m: BlockManager) -> None:
+    m._seqs[0].blocks.append(m.gpu_pool.allocate())
+
+
+def _corrupt_slots(m: BlockManager) -> None:
+    m._seqs[2].num_slots = 12  # three blocks' worth of slots on two blocks
+
+
+def _corrupt_fast_left(m: BlockManager) -> None:
+    m._seqs[1].fast_left = 3  # its last block is shared with seq 0: no fast path
+
+
+def _corrupt_ref_count(m: BlockManager) -> None:
+    m.gpu_pool._ref[m.block_table(2)[0]] += 1
+
+
+def _corrupt_free_queue(m: BlockManager) -> None:
+    m.gpu_pool._num_free += 1
+
+
+def _corrupt_cpu_table(m: BlockManager) -> None:
+    m._seqs[3].blocks[0] = m.cpu_pool.free_block_ids()[0]  # a free host block
+
+
+def _corrupt_cache_mark(m: BlockManager) -> None:
+    entry = next(iter(m._cache.entries()))  # type: ignore[union-attr]
+    m.gpu_pool._cached[entry.block_id] = False
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (_corrupt_block_count, "blocks for"),
+        (_corrupt_slots, "more slots than tokens"),
+        (_corrupt_fast_left, "stale fast_left"),
+        (_corrupt_ref_count, "ref count"),
+        (_corrupt_free_queue, "free queue"),
+        (_corrupt_cpu_table, "cpu block"),
+        (_corrupt_cache_mark, "not marked"),
+    ],
+)
+def test_check_invariants_catches_each_kind_of_corruption(corrupt, message: str) -> None:
+    """check_invariants is what the property tests lean on: each of its checks must fire on
+    the corruption it exists for (a check that never fires would pass every test)."""
+    m = _busy_manager()
+    corrupt(m)
+    with pytest.raises(InvariantError, match=message):
+        m.check_invariants()
+
 # ------------------------------------------------------------ allocate_slots
 def test_allocate_slots_returns_none_when_blocks_run_out_and_changes_nothing() -> None:
     m = BlockManager(block_size=4, num_gpu_blocks=3)
