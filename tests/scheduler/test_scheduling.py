@@ -40,6 +40,15 @@ def step(sched, tok=7):
     return out, res
 
 
+
+def step_with(sched, model):
+    """schedule() + update() with the fake model's tokens, checked like `step`."""
+    out = sched.schedule()
+    check_step(sched, out)
+    res = sched.update(out, model.run(out))
+    check_states(sched)
+    return out, res
+
 P3 = RequestParams(max_tokens=3)
 
 
@@ -240,6 +249,66 @@ def test_swapped_groups_resume_before_new_requests():
     assert not model.corruptions
     assert_all_free(sched)
 
+
+
+def test_swapped_group_waits_for_a_budget_that_covers_all_its_sequences():
+    """A group's sequences sample in lockstep, so a swapped group of three comes back only in
+    a step whose token budget has room for all three, even while its blocks would fit."""
+    sched = make(
+        block_size=2, num_gpu_blocks=10, num_cpu_blocks=32, max_model_len=16,
+        max_num_batched_tokens=3, enable_chunked_prefill=True, preemption_mode="swap",
+    )
+    reqs = [
+        ("a", [1], RequestParams(max_tokens=12, ignore_eos=True)),
+        ("c", [3, 3, 3], RequestParams(max_tokens=8, ignore_eos=True)),
+        ("b", [2], RequestParams(n=3, max_tokens=3, ignore_eos=True)),
+    ]
+    groups = {rid: sched.add_request(rid, prompt, params) for rid, prompt, params in reqs}
+    model = FakeModel(sched)
+    bm = sched.block_manager
+    waited = 0
+    for _ in range(16):
+        out, _ = step_with(sched, model)
+        if out.preempted:
+            assert out.preempted == [("b", PreemptionMode.SWAP)]
+        if [g.request_id for g in sched.swapped] == ["b"] and not out.preempted:
+            b_seqs = groups["b"].seqs
+            assert len(b_seqs) == 3
+            ids = [s.seq_id for s in b_seqs]
+            assert bm.num_free_blocks >= bm.blocks_needed_to_swap_in(ids, [1, 1, 1])
+            assert [s.request_id for s in out.scheduled] == ["a"]  # 1 token of 3 used
+            waited += 1
+        if out.blocks_to_swap_in:
+            assert [s.request_id for s in out.scheduled] == ["b", "b", "b"]
+            break
+    assert waited == 3 and groups["c"].is_finished and groups["a"].is_finished
+    drive(sched, model)
+    assert not model.corruptions
+    assert_all_free(sched)
+    for rid, prompt, params in reqs:
+        assert actual_outputs(groups[rid]) == reference_outputs(rid, prompt, params, 16)
+
+
+def test_swapped_group_that_cannot_grow_even_alone_ends_for_lack_of_memory():
+    """Swapped back in once it has the cache to itself, a group that still cannot get a block
+    for its next tokens is ended (LENGTH, with the reason) and gives every block back."""
+    sched = make(
+        block_size=4, num_gpu_blocks=3, num_cpu_blocks=16, max_model_len=7,
+        max_num_batched_tokens=16, enable_chunked_prefill=True, preemption_mode="swap",
+    )
+    a = sched.add_request("a", [1], RequestParams(max_tokens=11, ignore_eos=True))
+    b = sched.add_request("b", [4], RequestParams(n=2, max_tokens=10, ignore_eos=True))
+    model = FakeModel(sched)
+    outs = [step_with(sched, model)[0] for _ in range(7)]
+    assert outs[4].preempted == [("b", PreemptionMode.SWAP)]
+    assert a.is_finished and outs[6].blocks_to_swap_in and outs[6].scheduled == []
+    assert [g.request_id for g in sched.running] == ["b"]
+    drive(sched, model)
+    assert b.is_finished and "do not fit in the KV cache" in b.reason_text
+    assert all(s.finish_reason is FinishReason.LENGTH for s in b.finished_seqs)
+    assert actual_outputs(a) == reference_outputs("a", [1], a.params, 7)
+    assert not model.corruptions
+    assert_all_free(sched)
 
 def _mixed_requests():
     return [
