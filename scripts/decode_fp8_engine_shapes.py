@@ -58,8 +58,9 @@ CONFIGS = [D(128, 4, 3), D(64, 2, 3), D(64, 4, 3), D(128, 4, 2), D(64, 2, 3, per
            # the ragged last tile inside the pipelined loop (decode_kernel's ONE_LOOP)
            D(128, 4, 3, one_loop=True), D(64, 2, 3, one_loop=True), D(128, 4, 2, one_loop=True),
            D(64, 2, 3, per_sm=4, one_loop=True),
-           # one warp: 32-token tiles (FP8_ONE_WARP, by plans) and 64 (FP8_LONG, without)
-           D(32, 1, 3, per_sm=8), D(64, 1, 2, per_sm=8)]  # fmt: skip
+           # one warp: 32-token tiles (FP8_ONE_WARP; FP8_PLANNED_ONE_WARP, by plans, in two
+           # stages) and 64 (FP8_LONG, without a plan)
+           D(32, 1, 3, per_sm=8), D(32, 1, 2, per_sm=8), D(64, 1, 2, per_sm=8)]  # fmt: skip
 # the bfloat16 cache: its default tiles with the ragged tile in the loop
 BF16_CONFIGS = [D(128, 4, 2, one_loop=True), D(64, 4, 2, one_loop=True)]
 # forced split counts, tried up to SPLIT_MAX_BATCH sequences (more: the automatic count); the

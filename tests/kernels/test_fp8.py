@@ -240,9 +240,9 @@ def test_decode_fp8_packed_loads(target, seed, case):
 @pytest.mark.parametrize("case", [(128, BF16, 16, 4), (80, F16, 8, 3), (64, BF16, 32, 1)],
                          ids=lambda c: f"d{c[0]}-{c[1]}-bs{c[2]}-g{c[3]}")  # fmt: skip
 def test_decode_fp8_narrow_tiles(target, seed, case):
-    """``FP8_NARROW``, ``FP8_ONE_WARP`` and ``FP8_LONG``, the tiles of many (sequence, KV head)
-    pairs on an fp8 cache: 64 tokens and two warps, 32 tokens and one warp, 64 tokens and one
-    warp per program. Against the float64 reference, unsplit and split, ragged tiles and a
+    """``FP8_NARROW``, ``FP8_ONE_WARP`` (and ``FP8_PLANNED_ONE_WARP``, its two-stage form) and
+    ``FP8_LONG``, the tiles of many (sequence, KV head) pairs on an fp8 cache: 64 tokens and
+    two warps, 32 tokens and one warp, 64 tokens and one warp per program. Against the float64 reference, unsplit and split, ragged tiles and a
     padded head dim (80) included; on a GPU also as the launcher chooses them for batches of
     many pairs (``FP8_LONG`` for these long contexts)."""
     if target.backend != "triton":
@@ -254,7 +254,7 @@ def test_decode_fp8_narrow_tiles(target, seed, case):
     batch, ks, vs = _fp8_batch(target, seed, case, lens, [1] * len(lens))
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
     ref = reference.paged_decode_attention(*args, k_scale=ks, v_scale=vs)
-    for cfg in (tl_.FP8_NARROW, tl_.FP8_ONE_WARP, tl_.FP8_LONG):
+    for cfg in (tl_.FP8_NARROW, tl_.FP8_ONE_WARP, tl_.FP8_PLANNED_ONE_WARP, tl_.FP8_LONG):
         for splits in (1, 3):
             out = tl_.paged_decode_attention(
                 *args, head_dim**-0.5, max(lens), poisoned_like(batch.query),

@@ -67,6 +67,7 @@ def test_fp8_decode_tiles_by_pairs():
         FP8_NARROW_TILE_PAIRS,
         FP8_ONE_WARP,
         FP8_ONE_WARP_PAIRS,
+        FP8_PLANNED_ONE_WARP,
         FP8_PLANNED_ONE_WARP_PAIRS,
         decode_config,
     )  # fmt: skip
@@ -86,7 +87,9 @@ def test_fp8_decode_tiles_by_pairs():
     planned = {pairs: decode_config(128, bf16, kv_dtype=fp8, num_pairs=pairs, planned=True)
                for pairs in (FP8_PLANNED_ONE_WARP_PAIRS - 1, FP8_PLANNED_ONE_WARP_PAIRS, 300)}
     assert planned[FP8_PLANNED_ONE_WARP_PAIRS - 1].tile_n == 128  # 1-7 sequences: wide
-    assert planned[FP8_PLANNED_ONE_WARP_PAIRS] == planned[300] == FP8_ONE_WARP
+    assert planned[FP8_PLANNED_ONE_WARP_PAIRS] == planned[300] == FP8_PLANNED_ONE_WARP
+    # by a plan, two pipeline stages (chunks are short); otherwise the same tiles
+    assert dataclasses.replace(FP8_PLANNED_ONE_WARP, num_stages=3) == FP8_ONE_WARP
     # 16-bit: the same tiles by a plan, whose lanes are two programs an SM where the split
     # count is sized for the three that fit
     by_plan, alone = decode_config(128, bf16, num_pairs=128, planned=True), decode_config(128, bf16)
@@ -104,7 +107,7 @@ def test_fp8_decode_tiles_by_pairs():
     assert long[128, 512] == decode_config(128, bf16, kv_dtype=fp8, num_pairs=128)
     assert long[8, 8192].tile_n == 128
     assert decode_config(128, bf16, kv_dtype=fp8, num_pairs=512, planned=True,
-                         context_bound=4096) == FP8_ONE_WARP  # fmt: skip
+                         context_bound=4096) == FP8_PLANNED_ONE_WARP  # fmt: skip
     assert decode_config(128, bf16, num_pairs=512, context_bound=4096) == decode_config(128, bf16)
     assert decode_config(128, bf16, interpreted=True, kv_dtype=fp8, num_pairs=4096).num_stages == 1
 

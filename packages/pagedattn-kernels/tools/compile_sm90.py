@@ -332,7 +332,7 @@ def _fp8_variants() -> None:
             q, kc, kc, bt, lens, 0.1, 2048, torch.empty_like(q), config=attention.FP8_ONE_WARP,
             k_scale=unit, v_scale=unit, seq_order=torch.tensor([1, 0], dtype=torch.int32),
         )  # fmt: skip
-        for cfg in (None, attention.FP8_NARROW, attention.FP8_ONE_WARP):  # by decode plans
+        for cfg in (None, attention.FP8_NARROW, attention.FP8_PLANNED_ONE_WARP):  # by plans
             _planned(q, kc, bt, lens, cfg, k_scale=unit, v_scale=unit)
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
         attention.paged_attention(q, kc, kc, bt, lens, cu, 0.1, torch.empty_like(q),

@@ -113,14 +113,26 @@ FP8_ONE_WARP = DecodeConfig(tile_n=32, num_warps=1, num_stages=3, per_sm=8)
 #: 79.2 against 97.4 at 32 x 4k (``FP8_NARROW``), 79.5 against 103.2 at 16 x 8k, 19.5 against
 #: 25.8 at 4 x 4k, 27.6 against 34.8 at 1 x 32k (wide tiles). Below the threshold it lost:
 #: 15.4 against 10.9 us at 1 x 2k, 17.8 against 16.0 at 1 x 8k, 22.9 against 15.1 at 16 x 512.
-#: Decode plans keep ``FP8_ONE_WARP`` (64-token tiles were slower there: 51.5 against 46.2 us
-#: at 128 sequences). ``PAGEDATTN_FP8_LONG_PAIR_TOKENS`` (read at import; a huge value: never)
-#: moves the threshold, for A/B runs.
+#: Decode plans keep 32-token tiles (``FP8_PLANNED_ONE_WARP``; 64-token ones were slower
+#: there: 51.5 against 46.2 us at 128 sequences). ``PAGEDATTN_FP8_LONG_PAIR_TOKENS`` (read at
+#: import; a huge value: never) moves the threshold, for A/B runs.
 FP8_LONG_PAIR_TOKENS = int(os.environ.get("PAGEDATTN_FP8_LONG_PAIR_TOKENS", str(8 * 16384)))
 FP8_LONG = DecodeConfig(tile_n=64, num_warps=1, num_stages=2, per_sm=8)
 #: ... but by a decode plan (``planned``) from this many pairs on: a plan cuts the contexts
 #: into chunks for all the lanes of eight programs an SM, which the automatic splits do not.
 FP8_PLANNED_ONE_WARP_PAIRS = 64
+#: By a plan, the one-warp tiles take two pipeline stages, not three (206 registers, nine
+#: programs an SM as with three): chunks of a plan are short (128+ tokens, four to eight
+#: tiles), so a third stage in flight mostly fills the pipeline at each chunk's start. On an
+#: H200 (CUDA graphs, the contexts of the real ShareGPT run, plans of min chunk 128, two
+#: rounds interleaved; ``gpu_runs/2026-12-04f/planned_onewarp_stages_fb6d201.log``) 15.2 /
+#: 18.2 / 29.7 / 45.5 / 67.7 us at 16 / 32 / 64 / 128 / 256 sequences against 15.4-15.6 /
+#: 18.5 / 30.4 / 46.3-46.4 / 68.4 with three: faster at every size, by 1-2.6%.
+#: ``PAGEDATTN_FP8_PLANNED_STAGES`` (read at import) sets the stages, for A/B runs.
+FP8_PLANNED_ONE_WARP = DecodeConfig(
+    tile_n=32, num_warps=1, num_stages=int(os.environ.get("PAGEDATTN_FP8_PLANNED_STAGES", "2")),
+    per_sm=8,
+)
 
 
 def decode_config(
@@ -180,7 +192,8 @@ def decode_config(
     (its comment has the figures).
 
     ``planned`` (the call runs by a decode plan, ``attention.plan``): one warp from
-    ``FP8_PLANNED_ONE_WARP_PAIRS`` (64) pairs on. Without a plan one warp lost below 512 pairs
+    ``FP8_PLANNED_ONE_WARP_PAIRS`` (64) pairs on, in two pipeline stages
+    (``FP8_PLANNED_ONE_WARP``). Without a plan one warp lost below 512 pairs
     (above), but a plan balances the batch's contexts over all the lanes of eight programs an
     SM. On an H200 (d6eeae7, ``scripts/gpu_tail_tile_call.sh attn``: Llama-3-8B heads, the
     contexts of the real ShareGPT run's last decode steps, plans of min chunk 128, CUDA
@@ -197,7 +210,9 @@ def decode_config(
             if (not planned and context_bound is not None
                     and num_pairs * context_bound >= FP8_LONG_PAIR_TOKENS):  # fmt: skip
                 return FP8_LONG
-            if num_pairs >= (FP8_PLANNED_ONE_WARP_PAIRS if planned else FP8_ONE_WARP_PAIRS):
+            if planned and num_pairs >= FP8_PLANNED_ONE_WARP_PAIRS:
+                return FP8_PLANNED_ONE_WARP
+            if not planned and num_pairs >= FP8_ONE_WARP_PAIRS:
                 return FP8_ONE_WARP
             if num_pairs >= FP8_NARROW_TILE_PAIRS:
                 return FP8_NARROW
