@@ -10,32 +10,14 @@ ways, and must compile nothing new (and still match the reference).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
 import pagedattn_kernels as pk
 from pagedattn_kernels import reference
-from pagedattn_kernels.testing import TOLERANCE, random_paged_batch, rel_error
+from pagedattn_kernels.testing import TOLERANCE, compiled_kernels, random_paged_batch, rel_error
 
 pytestmark = pytest.mark.gpu
-
-
-@contextmanager
-def _compiles():
-    knobs = pytest.importorskip("triton").knobs
-    names: list[str] = []
-    previous = knobs.runtime.jit_post_compile_hook
-
-    def hook(*args, **kwargs):
-        names.append(getattr(kwargs.get("fn"), "name", "?"))
-
-    knobs.runtime.jit_post_compile_hook = hook
-    try:
-        yield names
-    finally:
-        knobs.runtime.jit_post_compile_hook = previous
 
 
 def _batch(seed: int, lens: list[int], q_lens: list[int]):
@@ -76,7 +58,7 @@ def test_mixed_batches_compile_no_new_variant(seed):
     torch.cuda.synchronize()
     # then: other decode-row counts (unaligned slices), other table widths (16, 17, odd)
     cases = [(3, 1), (5, 2), (1, 5), (7, 9)]
-    with _compiles() as compiled:
+    with compiled_kernels() as compiled:
         for k, (nd, extra) in enumerate(cases):
             lens = [33 + 7 * i for i in range(nd)] + [129, 50 + 16 * k]
             b = _batch(seed + k + 1, lens, [1] * nd + [129, 17])

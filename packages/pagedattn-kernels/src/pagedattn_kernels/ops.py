@@ -35,6 +35,7 @@ from pagedattn_kernels.attention.plan import (
     decode_plan_pays,
     plan_decode,
 )
+from pagedattn_kernels.attention.warm_up import warm_up_decode_attention
 from pagedattn_kernels.cache.ops import copy_blocks, reshape_and_cache, swap_blocks, swap_stream
 from pagedattn_kernels.common import BACKENDS, FP8_DTYPE, FP8_MAX, resolve_backend
 from pagedattn_kernels.fused.ops import (
@@ -66,6 +67,8 @@ __all__ = [  # noqa: RUF022 (grouped by folder, not sorted)
     "decode_plan_capacity",
     "decode_plan_pays",
     "plan_decode",
+    # attention/warm_up.py: compiling the decode kernels at start-up (host code, not an op)
+    "warm_up_decode_attention",
     # cache/
     "copy_blocks",
     "reshape_and_cache",

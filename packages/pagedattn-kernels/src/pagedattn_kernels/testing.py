@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -187,3 +189,23 @@ def rejected_unchanged(fn, *tensors: torch.Tensor) -> str:
         assert torch.equal(t, b), "a rejected call must not write"
     return str(info.value)
 
+
+@contextmanager
+def compiled_kernels() -> Iterator[list[str]]:
+    """The names of the Triton kernel variants compiled inside the block, in order (Triton's
+    post-compile hook; needs triton 3.4+). A test that a batch shape compiles nothing new
+    asserts the list is empty."""
+    import pytest
+
+    knobs = pytest.importorskip("triton").knobs
+    names: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous

@@ -7,6 +7,7 @@ the same kernels in Triton's interpreter (``pagedattn_kernels.common.kernels_for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -524,6 +525,84 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
         )  # fmt: skip
     return out
 
+
+
+def decode_variants(
+    head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, num_kv_heads: int,
+    max_num_seqs: int, max_seq_len: int,
+) -> tuple[list[DecodeConfig], list[tuple[DecodeConfig, int]], int]:  # fmt: skip
+    """What ``warm_up_decode`` must compile for calls of at most ``max_num_seqs`` rows and
+    contexts of at most ``max_seq_len``: the configurations ``decode_config`` can pick without
+    a plan (by the pair count and the context bound), those it picks by a plan with the
+    fewest rows that select each, and the most splits ``choose_num_splits`` can give. Two
+    configurations that differ only in ``per_sm`` compile to the same kernel: one of them."""
+    def compiled_as(cfg: DecodeConfig) -> DecodeConfig:
+        return dataclasses.replace(cfg, per_sm=0, saturate_per_sm=None)
+
+    alone: dict[DecodeConfig, DecodeConfig] = {}
+    planned: dict[DecodeConfig, tuple[DecodeConfig, int]] = {}
+    for n in range(1, max_num_seqs + 1):
+        pairs = n * num_kv_heads
+        for bound in (1, max_seq_len):  # FP8_LONG depends on the bound, nothing else does
+            cfg = decode_config(head_dim, dtype, False, kv_dtype, pairs, context_bound=bound)
+            alone.setdefault(compiled_as(cfg), cfg)
+        cfg = decode_config(head_dim, dtype, False, kv_dtype, pairs, planned=True)
+        planned.setdefault(compiled_as(cfg), (cfg, n))
+    most = min(-(-max(max_seq_len, 1) // MIN_PARTITION), MAX_SPLITS)
+    return list(alone.values()), list(planned.values()), most
+
+
+def warm_up_decode(
+    num_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype,
+    max_num_seqs: int, max_seq_len: int, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """Compile now every variant of the decode kernels that calls on these caches can need,
+    and return how many calls that took (0 in the interpreter: nothing to compile).
+
+    Triton compiles a kernel the first time it meets a new combination of its compile-time
+    arguments, about a second each on an H200 host. A CUDA graph's capture compiles what
+    its replays run, but eager calls (a mixed pass's decode rows) pick their tiles and their
+    split count from the batch in hand: the configuration (``decode_config``), split or not,
+    ordered or not, and the merge kernel's padded split count, with the partial buffers'
+    strides (the split count's own divisibility by 16 is specialized). So each configuration
+    is launched here once with every split count from 1 to the most a call can have, with
+    and without an order, on rows of length 0 (every program exits at once), and by a plan
+    with the rows that select each planned configuration."""
+    kernels = kernels_for(key_cache.device, KERNELS)
+    if is_interpreted(kernels.decode_kernel):
+        return 0
+    from pagedattn_kernels.attention.plan import plan_decode
+
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    device = key_cache.device
+    alone, planned, most = decode_variants(head_dim, dtype, key_cache.dtype, num_kv_heads,
+                                           max_num_seqs, max_seq_len)  # fmt: skip
+    query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    out = torch.empty_like(query)
+    lens = torch.zeros(1, dtype=torch.int32, device=device)
+    order = torch.zeros(1, dtype=torch.int32, device=device)
+    tables = torch.zeros(1, -(-max(max_seq_len, 1) // block_size), dtype=torch.int32,
+                         device=device)  # fmt: skip
+    calls = 0
+    for cfg in alone:
+        for splits in range(1, most + 1):
+            for seq_order in (None, order):  # a bound of `splits` tiles gives `splits` splits
+                paged_decode_attention(query, key_cache, value_cache, tables, lens, 1.0,
+                                       splits * cfg.tile_n, out, num_splits=splits, config=cfg,
+                                       k_scale=k_scale, v_scale=v_scale, seq_order=seq_order)  # fmt: skip
+                calls += 1
+    for cfg, n in planned:  # one row split into chunks (the merge kernel too), the rest short
+        rows = [max_seq_len] + [1] * (n - 1)
+        plan = plan_decode(rows, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                           kv_dtype=key_cache.dtype, device=device).to(device)  # fmt: skip
+        q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        paged_decode_attention(q, key_cache, value_cache, tables.repeat(n, 1),
+                               torch.tensor(rows, dtype=torch.int32, device=device), 1.0,
+                               max_seq_len, torch.empty_like(q), config=cfg, k_scale=k_scale,
+                               v_scale=v_scale, plan=plan)  # fmt: skip
+        calls += 1
+    return calls
 
 def paged_attention(
     query: torch.Tensor,

@@ -27,13 +27,21 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
-from pagedattn_kernels import argmax_rows, copy_blocks, swap_blocks
+from pagedattn_kernels import (
+    FP8_DTYPE,
+    argmax_rows,
+    copy_blocks,
+    swap_blocks,
+    warm_up_decode_attention,
+)
 from pagedkv.engine.arg_utils import EngineArgs
+from pagedkv.engine.attention import Attention
 from pagedkv.engine.config import ModelConfig, kv_cache_dtype
 from pagedkv.engine.model_loader import load_model
 from pagedkv.engine.models.quantization import is_quantized, lm_head_quantized, quantization_of
@@ -225,6 +233,7 @@ class ModelRunner:
         self.sampler = BatchSampler(device, sorted(model_config.eos_token_ids), args.seed,
                                     model_config.vocab_size)
         self._allocate_kv_cache()
+        self._warm_up_attention()
         # decode attention by plans where they pay (None off a GPU)
         self.planner = DecodePlanner.for_caches(self.kv_caches, self.dtype)
         self.graphs: DecodeGraphs | None = None
@@ -289,6 +298,31 @@ class ModelRunner:
             self.num_gpu_blocks * self.block_bytes / _GB, str(self.kv_dtype).removeprefix("torch."),
             self.device, self.num_cpu_blocks, self.num_cpu_blocks * self.block_bytes / _GB,
         )
+
+    @torch.inference_mode()
+    def _warm_up_attention(self) -> None:
+        """Compile every decode-attention variant a pass can pick now, not in a pass. A CUDA
+        graph's capture compiles what its replays run, but a mixed pass's decode rows run
+        eagerly, their tiles and split count chosen from the batch in hand: on an H200 a split
+        count met for the first time compiled for 1.1 s in the first prompt pass of a
+        Llama-3-8B run (f86058c, `triton_compiled_during_run`). Nothing off a GPU."""
+        if self.device.type != "cuda":
+            return
+        attn = next((m for m in self.model.modules() if isinstance(m, Attention)), None)
+        if attn is None:
+            return
+        key_cache, value_cache = self.kv_caches[0]
+        scales = {}
+        if key_cache.dtype == FP8_DTYPE:
+            scales = {"k_scale": attn.k_scale, "v_scale": attn.v_scale}
+        start = time.perf_counter()
+        calls = warm_up_decode_attention(
+            attn.num_heads, key_cache, value_cache, dtype=self.dtype,
+            max_num_seqs=self.args.max_num_seqs, max_seq_len=self.max_model_len, **scales,
+        )  # fmt: skip
+        torch.cuda.synchronize(self.device)
+        logger.info("decode attention warmed up: %d calls in %.1f s", calls,
+                    time.perf_counter() - start)
 
     def _num_blocks_that_fit(self) -> int:
         if self.device.type != "cuda":
