@@ -301,12 +301,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_attention(self) -> None:
-        """Compile every decode-attention variant a pass can pick now, not in a pass. A CUDA
-        graph's capture compiles what its replays run, but a mixed pass's decode rows run
-        eagerly, their tiles and split count chosen from the batch in hand: on an H200 a split
-        count met for the first time compiled for 1.1 s in the first prompt pass of a
-        Llama-3-8B run (f86058c, `triton_compiled_during_run`). Nothing off a GPU."""
-        if self.device.type != "cuda":
+        """With ``PAGEDKV_WARM_UP_ATTENTION=1``: compile every decode-attention variant a pass
+        can pick now, not in a pass. A CUDA graph's capture compiles what its replays run, but
+        a mixed pass's decode rows run eagerly, their tiles and split count chosen from the
+        batch in hand: on an H200 a split count met for the first time compiled for 1.1 s in
+        the first prompt pass of a Llama-3-8B run (f86058c, `triton_compiled_during_run`),
+        and with the warm-up nothing compiled (cdbf897). Off by default until measured: in
+        that same call the fp8 run's decode batches of 65+ sequences ran 26-42% slower with
+        it (13,450 against 15,263-15,345 output tok/s in five runs without, on other machines
+        of the same session), with no mechanism found yet. Nothing off a GPU."""
+        if self.device.type != "cuda" or os.environ.get("PAGEDKV_WARM_UP_ATTENTION") != "1":
             return
         attn = next((m for m in self.model.modules() if isinstance(m, Attention)), None)
         if attn is None:
