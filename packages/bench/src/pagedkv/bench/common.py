@@ -13,31 +13,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pagedattn_kernels.testing import compiled_kernels
 
-@contextmanager
-def triton_compiles() -> Iterator[list[str]]:
-    """The names of the Triton kernel variants compiled inside the block, in order. A compile
-    inside a timed run is a pass stalled for about a second: a benchmark reports these. Stays
-    empty without triton, or with a triton that has no compile hook (before 3.4)."""
-    names: list[str] = []
-    try:
-        from triton import knobs
-
-        runtime = knobs.runtime
-        previous = runtime.jit_post_compile_hook
-    except (ImportError, AttributeError):
-        yield names
-        return
-
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        names.append(getattr(kwargs.get("fn"), "name", "?"))
-        return previous(*args, **kwargs) if previous is not None else None
-
-    runtime.jit_post_compile_hook = hook
-    try:
-        yield names
-    finally:
-        runtime.jit_post_compile_hook = previous
+#: The Triton kernel variants compiled inside a block (the kernels package's helper).
+triton_compiles = compiled_kernels
 
 
 #: The CUDA caching allocator's counts of its calls to the driver (`torch.cuda.memory_stats`):
