@@ -8,8 +8,6 @@ nothing changed. On a GPU: after the warm-up, decode calls of any row count, con
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -21,33 +19,29 @@ from pagedattn_kernels.testing import compiled_kernels
 BF16 = torch.bfloat16
 
 
-def _compiled_as(cfg):
-    return dataclasses.replace(cfg, per_sm=0, saturate_per_sm=None)
-
-
 def test_variants_cover_every_configuration_the_launcher_picks():
     """Llama-3-8B heads, 1,024 rows, contexts of at most 2,048: on a 16-bit cache one tile
     shape; on an fp8 cache the wide, narrow, one-warp and long tiles without a plan, the wide
     and the planned one-warp ones by a plan; up to eight splits (2,048 / 256)."""
     alone, planned, most = tl_.decode_variants(128, BF16, BF16, 8, 1024, 2048)
-    assert [_compiled_as(c) for c in alone] == [_compiled_as(tl_.decode_config(128, BF16))]
+    assert [tl_.compiled_as(c) for c in alone] == [tl_.compiled_as(tl_.decode_config(128, BF16))]
     assert most == 8
     alone, planned, most = tl_.decode_variants(128, BF16, FP8_DTYPE, 8, 1024, 2048)
-    assert {_compiled_as(c) for c in alone} == {_compiled_as(c) for c in (
+    assert {tl_.compiled_as(c) for c in alone} == {tl_.compiled_as(c) for c in (
         tl_.decode_config(128, BF16, kv_dtype=FP8_DTYPE, num_pairs=8),
         tl_.FP8_NARROW, tl_.FP8_ONE_WARP, tl_.FP8_LONG)}  # fmt: skip
     assert len(alone) == 4
-    by_plan = {_compiled_as(c): n for c, n in planned}
+    by_plan = {tl_.compiled_as(c): n for c, n in planned}
     assert by_plan == {
-        _compiled_as(tl_.decode_config(128, BF16, kv_dtype=FP8_DTYPE, num_pairs=8,
+        tl_.compiled_as(tl_.decode_config(128, BF16, kv_dtype=FP8_DTYPE, num_pairs=8,
                                        planned=True)): 1,
-        _compiled_as(tl_.FP8_PLANNED_ONE_WARP): tl_.FP8_PLANNED_ONE_WARP_PAIRS // 8,
+        tl_.compiled_as(tl_.FP8_PLANNED_ONE_WARP): tl_.FP8_PLANNED_ONE_WARP_PAIRS // 8,
     }  # fmt: skip
     # every configuration a call can take is among them, at any row count and bound
     for n in (1, 31, 32, 63, 64, 65, 300, 1024):
         for bound in (1, 200, 2048):
             cfg = tl_.decode_config(128, BF16, False, FP8_DTYPE, n * 8, context_bound=bound)
-            assert _compiled_as(cfg) in {_compiled_as(c) for c in alone}, (n, bound)
+            assert tl_.compiled_as(cfg) in {tl_.compiled_as(c) for c in alone}, (n, bound)
     # the split counts a call can have stay within `most`
     for n in (1, 2, 8, 16):
         for bound in (300, 1000, 2048):

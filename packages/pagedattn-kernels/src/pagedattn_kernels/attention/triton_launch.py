@@ -527,6 +527,12 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
 
 
 
+def compiled_as(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with only what the kernel is compiled for: ``per_sm`` and ``saturate_per_sm``
+    size the grid, they are no compile-time argument."""
+    return dataclasses.replace(cfg, per_sm=0, saturate_per_sm=None)
+
+
 def decode_variants(
     head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, num_kv_heads: int,
     max_num_seqs: int, max_seq_len: int,
@@ -536,9 +542,6 @@ def decode_variants(
     a plan (by the pair count and the context bound), those it picks by a plan with the
     fewest rows that select each, and the most splits ``choose_num_splits`` can give. Two
     configurations that differ only in ``per_sm`` compile to the same kernel: one of them."""
-    def compiled_as(cfg: DecodeConfig) -> DecodeConfig:
-        return dataclasses.replace(cfg, per_sm=0, saturate_per_sm=None)
-
     alone: dict[DecodeConfig, DecodeConfig] = {}
     planned: dict[DecodeConfig, tuple[DecodeConfig, int]] = {}
     for n in range(1, max_num_seqs + 1):
@@ -603,6 +606,7 @@ def warm_up_decode(
                                v_scale=v_scale, plan=plan)  # fmt: skip
         calls += 1
     return calls
+
 
 def paged_attention(
     query: torch.Tensor,

@@ -356,11 +356,7 @@ class ChatServing:
             created=created,
             model=model,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=completion_tokens,
-                total_tokens=len(prompt_ids) + completion_tokens,
-            ),
+            usage=UsageInfo(**s.usage(len(prompt_ids), completion_tokens)),
             prompt_logprobs=s.prompt_logprobs_json(
                 getattr(out, "prompt_logprobs", None), as_id
             )

@@ -140,11 +140,7 @@ class CompletionServing:
             created=created,
             model=model,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=UsageInfo(**s.usage(prompt_tokens, completion_tokens)),
         )
 
     def returns_token_ids(self, req: CompletionRequest) -> bool:
