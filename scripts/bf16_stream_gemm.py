@@ -16,16 +16,26 @@ the weights rotated through more than 256 MB (from HBM, as in a decode step): wi
 ``bw_frac`` (weight and activation bytes against the copy bandwidth), ``vs_bf16``; per M the
 layer's sum for cuBLAS, the pick and the fastest config of each shape.
 
+``--blas``: ``F.linear`` through cuBLASLt as well (``bf16_lt``: torch's
+``preferred_blas_library("cublaslt")``, what ``TORCH_BLAS_PREFER_CUBLASLT=1`` sets for a whole
+run), whose heuristic picks other kernels than cuBLAS's. The profiles of f39b7cd show cuBLAS's
+at 160 rows reading the output projection at 41% of the copy bandwidth and Q/K/V at 59%
+(split K plus a reduce kernel for down): the 65-512-sequence bands of the bf16 run. With
+``--configs none --blas --m 64 96 128 160 192 256 384 512`` the script times just the two.
+
     python scripts/bf16_stream_gemm.py --output-json OUT.json                 # on a GPU
+    python scripts/bf16_stream_gemm.py --configs none --blas --m 64 128 160 256 512  # cuBLAS vs Lt
     TRITON_INTERPRET=1 python scripts/bf16_stream_gemm.py --check            # CPU: outputs only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +61,24 @@ CONFIGS = [C(64, 64, 1, 4, 8, promote=False), C(64, 128, 1, 4, 4, promote=False)
            C(64, 64, 2, 4, 8, promote=False), C(32, 128, 1, 4, 6, promote=False)]  # fmt: skip
 
 
+@contextlib.contextmanager
+def blas_library(name: str) -> Iterator[None]:
+    """torch's matmuls through ``name`` ("cublas" or "cublaslt") inside the block; a CUDA
+    graph captured inside keeps that library's kernels."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def linear_lt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` through cuBLASLt."""
+    with blas_library("cublaslt"):
+        return F.linear(x, w)
+
+
 def check() -> int:
     """``matmul_16bit`` against float64 at small shapes with forced splits (the numbers are
     tested in tests/kernels/test_fp8_matmul.py; this checks the script's calls)."""
@@ -66,6 +94,10 @@ def check() -> int:
         bad += not err < 1e-2
         log.info("M=%-3d N=%-3d K=%-3d split=%d: rel err %.1e %s", m, n, k, split, err,
                  "ok" if err < 1e-2 else "WRONG")  # fmt: skip
+        if dev == "cuda":  # a CPU build of torch has no cuBLASLt to switch to
+            err = rel_err(linear_lt(x, w), x.double() @ w.double().T)
+            bad += not err < 1e-2
+            log.info("  F.linear through cuBLASLt: rel err %.1e", err)
     return bad
 
 
@@ -73,7 +105,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     ap.add_argument("--configs", choices=("all", "none"), default="all",
-                    help="time CONFIGS as well as the pick (none: the pick only)")
+                    help="time CONFIGS as well as the pick (none: the pick only; with --blas, "
+                    "neither)")
+    ap.add_argument("--blas", action="store_true",
+                    help="time F.linear through cuBLASLt too (bf16_lt)")
     run = start(ap, check, budget_s=240.0)
     if isinstance(run, int):
         return run
@@ -84,7 +119,9 @@ def main() -> int:
         w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
         copies = int(-(-ROTATE_BYTES // (2 * n * k)))
         layers[name] = (n, k, [w] + [w.clone() for _ in range(copies - 1)])
-    configs = [("pick", None)] + ([("config", c) for c in CONFIGS] if args.configs == "all" else [])
+    configs = [("config", c) for c in CONFIGS] if args.configs == "all" else []
+    if not (args.blas and args.configs == "none"):
+        configs.insert(0, ("pick", None))
     rows: list[dict] = []
     for m in args.m:
         for name, (n, k, ws) in layers.items():
@@ -93,6 +130,8 @@ def main() -> int:
             ref = F.linear(x, ws[0])
             nbytes = 2 * n * k + 2 * m * k + 2 * m * n
             variants = [("bf16", None, lambda w, x=x: F.linear(x, w))]
+            if args.blas:
+                variants.append(("bf16_lt", None, lambda w, x=x: linear_lt(x, w)))
             for kind, cfg in configs:
                 variants.append((kind, cfg, lambda w, x=x, out=out, cfg=cfg:
                                  ql.matmul_16bit(x, w, out, cfg)))  # fmt: skip
@@ -105,7 +144,7 @@ def main() -> int:
                     "num_warps": shown.num_warps, "num_stages": shown.num_stages}  # fmt: skip
                 row = {"op": name, "n": n, "k": k, "m": m, "variant": variant, **info}
                 rows.append(time_row(row, info, fn, ws, ref, nbytes, copy_bw))
-    layer = layer_sums(rows, args.m, list(layers), ("bf16", "pick", "config"))
+    layer = layer_sums(rows, args.m, list(layers), ("bf16", "bf16_lt", "pick", "config"))
     write_result(args, "bf16_stream_gemm", "bf16_stream_gemm.py", copy_bw_TBps=copy_bw,
                  rows=rows, layer=layer)
     return 0

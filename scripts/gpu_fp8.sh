@@ -101,6 +101,12 @@
 #     scripts/fp8_weight_only_gemm.py: a weight-only fp8 GEMM (e4m3 weights widened in the
 #     kernel, bf16 activations) against bf16 F.linear and fp8_linear at M = 1-128, the four
 #     Llama-3-8B linear shapes                    -> fp8_weight_only_gemm.json
+#   bash scripts/gpu_fp8.sh blas               # ~2 min
+#     scripts/bf16_stream_gemm.py --blas: bf16 F.linear through cuBLAS (torch's default) and
+#     through cuBLASLt (TORCH_BLAS_PREFER_CUBLASLT=1) on the four Llama-3-8B linear shapes at
+#     BLAS_M rows (1-1,024)                        -> bf16_blas.json
+#     For the whole step or run: STEP_AB="cublas: lt:TORCH_BLAS_PREFER_CUBLASLT=1"
+#     STEP_KINDS=bf16 ... stepab, or ENV_AB (the same settings) ENV_AB_KINDS=bf16 ... envab
 #   bash scripts/gpu_fp8.sh fp8exact           # ~2 min, carrying .gpu_data
 #     the fp8 run without fast accumulation (PAGEDKV_FP8_FAST_ACCUM=0: torch._scaled_mm and
 #     pagedattn_kernels.fp8_matmul)
@@ -596,6 +602,16 @@ PY
       echo "    exit $?"
       grep -E "layer|M=" "$OUT/fp8_weight_only_gemm.log" | tail -30
       ;;
-    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8exact, profile, pdl, accuracy, diagnose, weightonly)" ;;
+    blas)
+      if [[ "$SMOKE" == 1 ]]; then echo "=== blas: needs a GPU (skipped in a smoke run)"; continue; fi
+      echo "=== bf16 F.linear through cuBLAS and cuBLASLt"
+      # shellcheck disable=SC2086  # BLAS_M: rows separated by spaces
+      timeout 300 "$PYTHON" scripts/bf16_stream_gemm.py --configs none --blas --budget-s 240 \
+        --m ${BLAS_M:-1 16 32 64 96 128 160 192 256 384 512 768 1024} --commit "${PAGEDKV_COMMIT:-}" \
+        --output-json "$OUT/bf16_blas.json" > "$OUT/bf16_blas.log" 2>&1
+      echo "    exit $?"
+      grep -E "layer M=|error" "$OUT/bf16_blas.log"
+      ;;
+    *) echo "unknown part $part (tests, kernels, gemm, bf16, fp8, fp8swap, fp8exact, profile, pdl, accuracy, diagnose, weightonly, blas)" ;;
   esac
 done
