@@ -39,6 +39,20 @@ def test_rerun_calls_the_function_again_on_every_change(helpers):
         helpers.Rerun(run, x="not a spec")
 
 
+def test_rerun_raises_when_its_defaults_fail(helpers):
+    """A notebook whose own defaults fail must stop "run all" (a KeyError in a GPU-only code
+    path once showed as a red line in the widget while the notebook run passed)."""
+
+    def run(n):
+        return {"execute": 1.0}["launch" if n == 3 else "execute"]
+
+    with pytest.raises(KeyError, match="launch"):
+        helpers.Rerun(run, n=(1, 5, 1, 3))
+    w = helpers.Rerun(run, n=(1, 5, 1, 2))
+    w.controls["n"].value = 3  # a moved control: shown, not raised
+    assert w.error == "KeyError: 'launch'" and "pagedkv-error" in w.view.value
+
+
 def test_a_dropdown_whose_first_value_is_none_starts_selected(helpers):
     """("default", None) first: the dropdown shows it selected (ipywidgets reads value=None as
     no selection, and the browser's first change would then re-pick it and run nothing)."""
@@ -72,6 +86,10 @@ def test_player_shows_the_item_of_the_slider(helpers):
     assert w.view.value == "<i>b</i>"
     w.slider.value = 2
     assert w.view.value == "<i>c</i>" and w.index == 2
+    numbered = helpers.Player(["a", "b", "c"], lambda s: s, start=1, first=1)  # engine steps 1-3
+    assert (numbered.slider.min, numbered.slider.value, numbered.slider.max) == (1, 2, 3)
+    numbered.slider.value = 1
+    assert numbered.view.value == "a" and numbered.index == 0
     with pytest.raises(ValueError, match="at least one"):
         helpers.Player([], str)
 
@@ -159,6 +177,12 @@ def test_time_it_warms_up_then_times_each_repeat(helpers):
     fast, slow = helpers.Timing((1.0, 2.0), "c"), helpers.Timing((2.5, 3.0), "c")
     assert fast.clearly_below(slow) and not slow.clearly_below(fast)
     assert not helpers.Timing((1.0, 2.6), "c").clearly_below(slow)
+    # one slow run among five does not make two clearly different timings alike
+    kernel = helpers.Timing((1.4e-3, 1.5e-3, 1.44e-3, 1.46e-3, 90e-3), "c")
+    loop = helpers.Timing((64e-3, 65e-3, 66e-3, 65.5e-3, 64.5e-3), "c")
+    assert kernel.quartiles() == (1.44e-3, 1.5e-3)
+    assert kernel.clearly_below(loop) and not loop.clearly_below(kernel)
+    assert helpers.Timing((2.0,), "c").quartiles() == (2.0, 2.0)
 
 
 def test_checking_turns_any_failure_into_not_solved(helpers, capsys):
@@ -230,3 +254,23 @@ def test_plots_draw(helpers):
     ]
     for fig in figs:
         assert helpers.figure_html(fig).startswith('<img class="pagedkv-figure" src="data:image/png;base64,')
+
+
+def test_engine_panel_counts_the_blocks_of_the_step_it_is_given(helpers):
+    """After a run every block is free again: a panel under a step's view counts that step's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    engine = SimpleNamespace(
+        device=torch.device("cpu"),
+        runner=SimpleNamespace(kv_cache=torch.zeros(2, 8, 4, 2), swap_cache=None),
+        args=SimpleNamespace(block_size=4),
+        model_config=SimpleNamespace(name="tiny"),
+        get_stats=lambda: SimpleNamespace(num_gpu_blocks=8, gpu_kv_usage=0.0),
+    )
+    now = helpers.engine_panel(engine).data
+    assert "0 used, 8 free of 8" in now
+    step = SimpleNamespace(step=5, num_gpu_blocks=8, num_free_blocks=2)
+    then = helpers.engine_panel(engine, record=step).data
+    assert "6 used, 2 free of 8 (75% used)" in then and "after step 5" in then

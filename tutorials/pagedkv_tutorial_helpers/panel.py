@@ -116,20 +116,28 @@ def device_panel(
     )
 
 
-def engine_panel(engine, *, kernel_times: Mapping[str, Timing] | None = None, **extra: str):
+def engine_panel(engine, *, record=None, kernel_times: Mapping[str, Timing] | None = None,
+                 **extra: str):  # fmt: skip
     """The device panel of a ``pagedkv.engine.LLMEngine``: its runner's KV cache and swap
-    space, its block counts (``engine.get_stats()``), and ``kernel_times``."""
-    stats = engine.get_stats()
-    total = stats.num_gpu_blocks
-    used = round(stats.gpu_kv_usage * total)
+    space, its block counts and ``kernel_times``. The counts are those after the step of
+    ``record`` (a ``StepRecord``: pass the step a view shows, or the fullest one), else the
+    engine's now (``engine.get_stats()``), which after a finished run are all free."""
+    if record is not None:
+        total, free = record.num_gpu_blocks, record.num_free_blocks
+        title = f"device panel: {engine.model_config.name}, after step {record.step}"
+    else:
+        stats = engine.get_stats()
+        total = stats.num_gpu_blocks
+        free = total - round(stats.gpu_kv_usage * total)
+        title = f"device panel: {engine.model_config.name}"
     return device_panel(
         engine.device,
         kv_cache=engine.runner.kv_cache,
         num_blocks=total,
         block_size=engine.args.block_size,
-        num_free_blocks=total - used,
+        num_free_blocks=free,
         swap_cache=engine.runner.swap_cache,
         kernel_times=kernel_times,
         extra=extra,
-        title=f"device panel: {engine.model_config.name}",
+        title=title,
     )

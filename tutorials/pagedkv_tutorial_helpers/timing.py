@@ -2,8 +2,9 @@
 
 On a GPU the clock is a pair of CUDA events around the work (device time, what the kernels
 took); on the CPU it is the host's ``perf_counter``. A shared CPU is noisy: the notebooks give
-token and block counts as their primary figures and call two timings different only when their
-ranges do not overlap (:meth:`Timing.clearly_below`).
+token and block counts as their primary figures and call two timings different only when the
+middle halves of their samples do not overlap (:meth:`Timing.clearly_below`): one slow outlier
+(another job on the machine) does not decide.
 """
 
 from __future__ import annotations
@@ -39,9 +40,19 @@ class Timing:
     def high(self) -> float:
         return max(self.samples)
 
+    def quartiles(self) -> tuple[float, float]:
+        """The lower and the upper quartile: the middle half of the samples lies between
+        (with fewer than four samples there is no middle half: the whole range)."""
+        if len(self.samples) < 4:
+            return self.low, self.high
+        lower, _, upper = statistics.quantiles(self.samples, n=4, method="inclusive")
+        return lower, upper
+
     def clearly_below(self, other: Timing) -> bool:
-        """Every sample of this one is faster than every sample of ``other``."""
-        return self.high < other.low
+        """The middle half of this one's samples is faster than the middle half of ``other``'s
+        (their interquartile ranges do not overlap). Whole ranges would let a single slow run,
+        common on a shared CPU, make two clearly different timings look alike."""
+        return self.quartiles()[1] < other.quartiles()[0]
 
     def ms(self) -> str:
         """``"1.23 ms (1.10–1.41, 5 runs)"``: the median, then the range, in one unit."""

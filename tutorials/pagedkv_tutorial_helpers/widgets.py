@@ -61,9 +61,11 @@ class Rerun:
     """Controls whose every change calls ``run(**values)`` again and shows its result.
 
     ``run`` is a function of the notebook (it runs the real engine, block manager or kernel);
-    its return value is drawn into ``self.view`` (see :func:`to_html`). An exception is shown
-    instead, its message kept in ``self.error`` (a ``ValueError``, a setting the package
-    refuses, by its message alone).
+    its return value is drawn into ``self.view`` (see :func:`to_html`). When a moved control
+    makes it fail, the exception is shown instead, its message kept in ``self.error`` (a
+    ``ValueError``, a setting the package refuses, by its message alone). The first run, with
+    the controls' defaults, raises: a notebook whose own defaults fail is broken, and "run
+    all" (and the tests) must stop there rather than show an error in a widget.
     """
 
     def __init__(self, run: Callable[..., Any], **controls: Any) -> None:
@@ -79,7 +81,7 @@ class Rerun:
         self.runs = 0
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
-        self.refresh()
+        self.refresh(first=True)
         self.widget = w.VBox([w.HBox(list(self.controls.values())), self.status, self.view])
 
     @property
@@ -89,14 +91,16 @@ class Rerun:
     def _on_change(self, change: dict[str, Any]) -> None:
         self.refresh()
 
-    def refresh(self) -> None:
-        """Call ``run`` with the controls' values now and redraw."""
+    def refresh(self, first: bool = False) -> None:
+        """Call ``run`` with the controls' values now and redraw (``first``: errors raise)."""
         import ipywidgets as w
 
         self.status.value = "<i>running…</i>"
         try:
             self.result = self.run(**self.values)
         except Exception as exc:  # shown where the view was; ValueError: a refused setting
+            if first:
+                raise
             self.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             self.result = None
             self.status.value = ""
@@ -119,20 +123,26 @@ class Rerun:
 
 
 class Player:
-    """A step slider with a Play button over ``items``; ``render(item)`` draws one."""
+    """A step slider with a Play button over ``items``; ``render(item)`` draws one.
+
+    ``start`` is an index into ``items``. ``first``: the number the slider shows for the first
+    item (the rest count up from it): pass the first record's engine step, so that the slider
+    and the view's title name the same step."""
 
     def __init__(self, items: Sequence[Any], render: Callable[[Any], Any], *, start: int = 0,
-                 interval_ms: int = 600, description: str = "step") -> None:  # fmt: skip
+                 interval_ms: int = 600, description: str = "step", first: int = 0) -> None:  # fmt: skip
         import ipywidgets as w
 
         if not items:
             raise ValueError("Player needs at least one item to show")
         self.items = list(items)
         self.render = render
+        self.first = first
         last = len(self.items) - 1
         start = max(0, min(start, last))
-        self.play = w.Play(value=start, min=0, max=last, interval=interval_ms)
-        self.slider = w.IntSlider(value=start, min=0, max=last, description=description)
+        self.play = w.Play(value=first + start, min=first, max=first + last, interval=interval_ms)
+        self.slider = w.IntSlider(value=first + start, min=first, max=first + last,
+                                  description=description)  # fmt: skip
         w.jslink((self.play, "value"), (self.slider, "value"))
         self.view = w.HTML()
         self.view.add_class("pagedkv-view")
@@ -141,7 +151,7 @@ class Player:
         self.widget = w.VBox([w.HBox([self.play, self.slider]), self.view])
 
     def _on_change(self, change: dict[str, Any]) -> None:
-        self.show(change["new"])
+        self.show(change["new"] - self.first)
 
     def show(self, index: int) -> None:
         self.index = index
