@@ -59,7 +59,11 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_swapped: int
-    timings: dict[str, float] = field(default_factory=dict)  # schedule / execute / update / output
+    # Host seconds by phase. One step at a time: schedule, execute (the forward pass and
+    # sampling, waited for), update, output. With asynchronous scheduling (the default on a
+    # GPU) the device runs a step while the host schedules and launches the next: wait (for
+    # this step's tokens), update, output, and the next step's schedule and launch.
+    timings: dict[str, float] = field(default_factory=dict)
     num_free_cpu_blocks: int = 0  # CPU (swap) blocks free after the step
     num_cpu_blocks: int = 0
     # After the step, running then swapped groups in arrival order; filled only when an observer
