@@ -32,14 +32,15 @@ def figure_html(fig, dpi: int = 90) -> str:
 
 def plot_waste(steps: Sequence[int], used: Sequence[int], paged: Sequence[int],
                contiguous: Sequence[int]):  # fmt: skip
-    """KV slots over decode steps: reserved by paging and by contiguous reservation, and used."""
+    """KV slots over the steps of a run, the first the prompts' prefill: reserved by paging and
+    by contiguous reservation, and used."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.0))
     ax.plot(steps, contiguous, label="reserved: contiguous", color="#c44e52")
     ax.plot(steps, paged, label="reserved: paged", color="#4c72b0")
     ax.plot(steps, used, "--", label="holding a token", color="#333")
-    ax.set_xlabel("decode step")
+    ax.set_xlabel("step (0: the prompts' prefill, then one decode step each)")
     ax.set_ylabel("KV slots")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
