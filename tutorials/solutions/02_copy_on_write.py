@@ -8,11 +8,11 @@ def append_token(seq):
     """Reserve the slot of seq's next token; the copy-on-write pair (src, dst) or None."""
     table, n = tables[seq], num_tokens[seq]
     copy = None
-    if n % BLOCK_SIZE == 0:  # the last block is full (or there is none): a new block
+    if n % BLOCK_SIZE == 0:  # notebook 1's rule: no block yet, or the last one is full
         table.append(new_block())
     elif ref[table[-1]] > 1:  # shared and partly filled: copy on write
         src = table[-1]
-        ref[src] -= 1
+        ref[src] -= 1  # was > 1: the other sequences keep it
         table[-1] = new_block()
         copy = (src, table[-1])
     num_tokens[seq] = n + 1
