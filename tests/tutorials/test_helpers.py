@@ -233,8 +233,13 @@ def test_metrics_poller_follows_the_server(helpers, metrics_server):
         "vllm:num_preemptions_total": 2.0,
     }  # fmt: skip
     with helpers.MetricsPoller(metrics_server, interval_s=0.01) as poller:
-        threading.Event().wait(0.1)
+        threading.Event().wait(0.05)
+        during = poller.snapshot()  # while the thread appends: whole scrapes only
+        assert len({len(v) for v in during.values()}) == 1 and during["t"]
+        during["t"].append(-1.0)  # a copy: the poller's own lists are untouched
+        threading.Event().wait(0.05)
     s = poller.series
+    assert -1.0 not in s["t"]
     assert len(s["t"]) >= 2 and s["t"] == sorted(s["t"])
     assert set(s["running"]) == {3.0} and set(s["kv_usage"]) == {0.5} and set(s["waiting"]) == {0.0}
     assert set(s["preemptions"]) == {2.0}
@@ -250,8 +255,10 @@ def test_plots_draw(helpers):
         helpers.plot_timeline([{"a": ("prefill", 8)}, {"a": ("decode", 1)}], [{"b": "waiting"}, {}],
                               [[], []], 8, ["a", "b"]),
         helpers.plot_metrics({"t": [0, 1], "running": [1, 2], "waiting": [0, 1], "swapped": [0, 0],
-                              "kv_usage": [0.1, 0.9], "preemptions": [0, 1]}),
+                              "kv_usage": [0.1, 0.9], "preemptions": [0, 1]},
+                             preemptions_label="preemptions in this burst"),
     ]
+    assert figs[-1].axes[-1].get_ylabel() == "preemptions in this burst"
     for fig in figs:
         assert helpers.figure_html(fig).startswith('<img class="pagedkv-figure" src="data:image/png;base64,')
 

@@ -137,9 +137,11 @@ def plot_timeline(scheduled: Sequence[Mapping[str, tuple[str, int]]],
     return fig
 
 
-def plot_metrics(series: Mapping[str, Sequence[float]], title: str = ""):
+def plot_metrics(series: Mapping[str, Sequence[float]], title: str = "",
+                 preemptions_label: str = "preemptions (total)"):  # fmt: skip
     """The server's /metrics over time: ``series["t"]`` (seconds) against the request queue
-    lengths, KV cache usage and preemptions."""
+    lengths, KV cache usage and preemptions (the server's running total, unless the caller
+    counted them from some start and says so in ``preemptions_label``)."""
     import matplotlib.pyplot as plt
 
     t = series.get("t", [])
@@ -159,7 +161,7 @@ def plot_metrics(series: Mapping[str, Sequence[float]], title: str = ""):
     if "preemptions" in series:
         ax3 = ax2.twinx()
         ax3.step(t, series["preemptions"], where="post", color=PREEMPT, label="preemptions")
-        ax3.set_ylabel("preemptions (total)")
+        ax3.set_ylabel(preemptions_label)
         ax3.set_ylim(bottom=0)
         ax3.legend(fontsize=8, loc="lower right")
     ax2.legend(fontsize=8, loc="upper left")

@@ -120,7 +120,8 @@ def scrape(base_url: str, names: Sequence[str] | None = None) -> dict[str, float
 
 class MetricsPoller:
     """Scrapes ``/metrics`` every ``interval_s`` in a background thread while in a ``with``
-    block; ``series`` holds ``t`` (seconds since start) and one list per :data:`FOLLOWED`."""
+    block; ``series`` holds ``t`` (seconds since start) and one list per :data:`FOLLOWED`.
+    Read it while the thread runs through :meth:`snapshot` (lists of one length)."""
 
     def __init__(self, base_url: str, interval_s: float = 0.25) -> None:
         if interval_s <= 0:
@@ -129,14 +130,21 @@ class MetricsPoller:
         self.interval_s = interval_s
         self.series: dict[str, list[float]] = {"t": [], **{k: [] for k in FOLLOWED}}
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # a scrape's values are appended together
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
     def poll_once(self) -> None:
         values = scrape(self.base_url, list(FOLLOWED.values()))
-        self.series["t"].append(time.monotonic() - self._t0)
-        for key, name in FOLLOWED.items():
-            self.series[key].append(values.get(name, 0.0))
+        with self._lock:
+            self.series["t"].append(time.monotonic() - self._t0)
+            for key, name in FOLLOWED.items():
+                self.series[key].append(values.get(name, 0.0))
+
+    def snapshot(self) -> dict[str, list[float]]:
+        """A copy of ``series`` as of the last whole scrape (safe while the thread appends)."""
+        with self._lock:
+            return {key: list(values) for key, values in self.series.items()}
 
     def _loop(self) -> None:
         while not self._stop.is_set():
