@@ -6,6 +6,7 @@ def block_hashes(token_ids, block_size):
     """The hash chain of the full blocks of token_ids."""
     hashes, parent = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
+        # the block's token ids as a tuple: a list cannot be hashed
         parent = hash((parent, tuple(token_ids[start : start + block_size]), None))
         hashes.append(parent)
     return hashes
