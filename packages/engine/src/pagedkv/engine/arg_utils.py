@@ -57,7 +57,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     num_cpu_blocks_override: int | None = None
     distributed_timeout: float = 300.0
-    # Overlap the host with the device for plain greedy batches (None: on for one CUDA GPU).
+    # Overlap the host with the device for plain greedy batches (None: on with CUDA).
     async_scheduling: bool | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
@@ -156,7 +156,7 @@ class EngineArgs:
                        help="seconds a tensor-parallel collective may wait for a rank before the engine stops")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch step N+1 before step N's tokens reach the host "
-                            "(plain greedy batches; default: on with one CUDA GPU)")
+                            "(plain greedy batches; default: on with CUDA)")
         g.add_argument("--device", choices=_DEVICES, default="auto", help="where to run (auto: CUDA if present)")
         g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="KV cache storage: auto = the model dtype; fp8 = e4m3 with per-layer "
