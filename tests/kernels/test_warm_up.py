@@ -69,7 +69,7 @@ def test_torch_path_and_interpreter_compile_nothing():
         ({"max_num_seqs": 0}, "max_num_seqs must be a positive int"),
         ({"max_seq_len": 2.5}, "max_seq_len must be a positive int"),
         ({"dtype": torch.int32}, "dtype must be float16, bfloat16 or float32"),
-        ({"value": torch.zeros(4, 16, 2, 32)}, "of one shape"),
+        ({"value": torch.zeros(4, 16, 2, 32)}, "must match in shape"),
         ({"k_scale": torch.ones(1)}, "scale"),
     ],
 )

@@ -144,7 +144,6 @@ def paged_decode_attention(
     )  # fmt: skip
 
 
-
 def _check_plan(op: str, plan: DecodePlan, query: torch.Tensor, num_splits: int | None,
                 seq_order: torch.Tensor | None) -> None:  # fmt: skip
     """A plan's tensors: int32, contiguous, on the query's device, of the right widths; and

@@ -526,7 +526,6 @@ def _planned_decode(kernels, cfg: DecodeConfig, plan: DecodePlan, query: torch.T
     return out
 
 
-
 def compiled_as(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with only what the kernel is compiled for: ``per_sm`` and ``saturate_per_sm``
     size the grid, they are no compile-time argument."""

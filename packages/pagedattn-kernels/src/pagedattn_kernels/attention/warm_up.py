@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedattn_kernels.attention import triton_launch
-from pagedattn_kernels.common import check_kv_scales, fail, resolve_backend
+from pagedattn_kernels.common import check_caches, check_kv_scales, fail, resolve_backend
 
 __all__ = ["warm_up_decode_attention"]
 
@@ -41,13 +41,10 @@ def warm_up_decode_attention(
             raise fail(op, f"{name} must be a positive int, got {value!r}")
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise fail(op, f"dtype must be float16, bfloat16 or float32, got {dtype}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise fail(op, f"key_cache and value_cache must be [num_blocks, block_size, "
-                       f"num_kv_heads, head_dim] of one shape, got {list(key_cache.shape)} "
-                       f"and {list(value_cache.shape)}")  # fmt: skip
-    if num_heads % key_cache.shape[2]:
+    num_kv_heads = check_caches(op, key_cache, value_cache)[2]
+    if num_heads % num_kv_heads:
         raise fail(op, f"num_heads ({num_heads}) must be a multiple of the caches' KV heads "
-                       f"({key_cache.shape[2]})")  # fmt: skip
+                       f"({num_kv_heads})")  # fmt: skip
     check_kv_scales(op, key_cache, k_scale, v_scale)
     if resolve_backend(key_cache.device, backend) == "torch":
         return 0
