@@ -1,6 +1,8 @@
 """Output helpers shared by the engine benchmarks: a readable table, the closing JSON line, and
-what stalls a timed run from outside our code: Triton compiles and the caching allocator's
-calls to the driver. (Their setup: :mod:`pagedkv.bench.env`.)"""
+what stalls a timed run from outside our code: the caching allocator's calls to the driver
+(Triton compiles: ``pagedattn_kernels.testing.compiled_kernels``). Nothing here imports torch
+at module load, so ``pagedkv bench ... --help`` stays fast. (Their setup:
+:mod:`pagedkv.bench.env`.)"""
 
 from __future__ import annotations
 
@@ -12,12 +14,6 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-
-from pagedattn_kernels.testing import compiled_kernels
-
-#: The Triton kernel variants compiled inside a block (the kernels package's helper).
-triton_compiles = compiled_kernels
-
 
 #: The CUDA caching allocator's counts of its calls to the driver (`torch.cuda.memory_stats`):
 #: `cudaMalloc`s, `cudaFree`s, and retries (a failed `cudaMalloc` after which the allocator frees

@@ -30,7 +30,6 @@ from pagedkv.bench.common import (
     print_json_line,
     print_table,
     run_engine_benchmark,
-    triton_compiles,
 )
 from pagedkv.bench.env import environment
 
@@ -420,6 +419,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
 
     import torch
 
+    from pagedattn_kernels.testing import compiled_kernels
     from pagedkv.engine.arg_utils import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
 
@@ -449,7 +449,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
 
         hw_before = measure()
     run_pagedkv(engine, reqs[: min(8, len(reqs))])  # warm-up: kernels, allocator, graphs
-    with triton_compiles() as compiled, allocator_calls(engine.device) as allocator:
+    with compiled_kernels() as compiled, allocator_calls(engine.device) as allocator:
         run = run_pagedkv(engine, reqs, record=True)
     if compiled:
         logger.warning("Triton compiled %d kernel variants during the timed run: %s",
